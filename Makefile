@@ -1,0 +1,56 @@
+# areal_hpc: every set-up step lives here, so a fresh clone needs only `make test` or `make demo`.
+PYTHON ?= python3.11
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TINY ?= .cache/tiny
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: help venv tiny test lint format docs demo bench clean
+
+help:
+	@echo "make test   - create the environment and run the whole test suite"
+	@echo "make demo   - create the environment, build the tiny model and run the embedded default"
+	@echo "make lint   - ruff check and format check"
+	@echo "make docs   - regenerate docs/config.md from the config schema"
+	@echo "make bench  - run the benchmarks (tools/bench_*.py)"
+	@echo "make tiny   - build the tiny model, tokenizer and toy data into $(TINY)"
+
+# The CPU build of torch is pinned first so that the package's `torch>=2.6` installs nothing more;
+# GPU clusters install their own CUDA torch before `pip install -e .`.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(STAMP)
+
+$(TINY)/.complete: $(STAMP) tools/build_tiny_model.py tools/make_toy_data.py
+	HF_HUB_OFFLINE=1 $(BIN)/python tools/build_tiny_model.py --out $(TINY) --seed 1
+
+tiny: $(TINY)/.complete
+
+test: $(STAMP) $(TINY)/.complete
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check areal_hpc tools tests
+	$(BIN)/ruff format --check areal_hpc tools tests
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix areal_hpc tools tests
+	$(BIN)/ruff format areal_hpc tools tests
+
+docs: $(STAMP)
+	$(BIN)/areal-hpc config docs
+
+demo: $(STAMP) $(TINY)/.complete
+	$(BIN)/areal-hpc config show configs/toy-cpu.yaml
+
+bench: $(STAMP) $(TINY)/.complete
+	@for b in tools/bench_*.py; do [ -e "$$b" ] || continue; echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis
