@@ -1,0 +1,123 @@
+"""Value checks of a built config: per-field bounds and choices from the schema, then cross-field rules.
+
+All problems are gathered and reported together, each naming its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from areal_hpc.config.loader import ConfigError
+from areal_hpc.config.schema import ExperimentConfig
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
+_BOUNDS = {
+    "ge": (lambda v, b: v >= b, ">="),
+    "gt": (lambda v, b: v > b, ">"),
+    "le": (lambda v, b: v <= b, "<="),
+    "lt": (lambda v, b: v < b, "<"),
+}
+
+
+def walk(cfg: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, value) of every leaf option."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from walk(value, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f, value
+
+
+def field_problems(key: str, f: dataclasses.Field, value: Any) -> list[str]:
+    """Problems of one value against its field's choices and bounds (null is always allowed)."""
+    if value is None:
+        return []
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        return [f"'{key}' is {value!r}; choose one of {', '.join(map(str, meta['choices']))}"]
+    if meta.get("nonempty") and not value:
+        return [f"'{key}' must not be empty"]
+    out = []
+    for name, (ok, symbol) in _BOUNDS.items():
+        if name in meta and not ok(value, meta[name]):
+            out.append(f"'{key}' is {value}; it must be {symbol} {meta[name]}")
+    return out
+
+
+def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
+    """Rules that involve more than one option."""
+    out = []
+    for key in ("experiment_name", "trial_name"):
+        name = getattr(cfg, key)
+        if name is not None and not _NAME.match(name):
+            out.append(
+                f"'{key}' is {name!r}; use letters, digits, '-' and '.' only ('_' separates names in paths)"
+            )
+    if cfg.success_rate_lb > cfg.success_rate_ub:
+        out.append(
+            f"'success_rate_lb' ({cfg.success_rate_lb}) is above 'success_rate_ub' ({cfg.success_rate_ub})"
+        )
+    gen = cfg.ppo.gen
+    if gen.min_new_tokens > gen.max_new_tokens:
+        out.append(
+            f"'ppo.gen.min_new_tokens' ({gen.min_new_tokens}) is above "
+            f"'ppo.gen.max_new_tokens' ({gen.max_new_tokens})"
+        )
+    if cfg.ppo.ppo_n_minibatches > cfg.dataset.train_bs_n_seqs * cfg.group_size:
+        out.append(
+            f"'ppo.ppo_n_minibatches' ({cfg.ppo.ppo_n_minibatches}) exceeds the sequences of a step "
+            f"(dataset.train_bs_n_seqs * group_size = {cfg.dataset.train_bs_n_seqs * cfg.group_size})"
+        )
+    if not cfg.ppo.disable_value and not cfg.critic.path:
+        out.append("'critic.path' is required when 'ppo.disable_value' is false")
+    if cfg.ppo.group_adv_norm and cfg.group_size < 2:
+        out.append("'ppo.group_adv_norm' needs 'group_size' >= 2")
+    return out
+
+
+def allocation_problems(cfg: ExperimentConfig) -> list[str]:
+    """allocation_mode against the cluster size, and TP against the actor's attention heads."""
+    from areal_hpc import alloc
+
+    try:
+        mode = alloc.parse_allocation_mode(cfg.allocation_mode)
+        if mode.kind == "manual":
+            return []  # manual meshes are checked by the launcher against the node list
+        allocation = alloc.resolve_allocation(mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+        heads = _model_heads(cfg.actor.path)
+        if heads is not None:
+            alloc.check_model_heads(allocation, *heads)
+        alloc.check_pipeline_batch(allocation, cfg.dataset.train_bs_n_seqs * cfg.group_size)
+    except alloc.AllocationError as e:
+        return [f"'allocation_mode': {e}"]
+    return []
+
+
+def _model_heads(path: str | None) -> tuple[int, int] | None:
+    """(attention heads, KV heads) from a local HF config.json, or None when there is none to read."""
+    if not path:
+        return None
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    hf = json.loads(config_file.read_text())
+    heads = hf.get("num_attention_heads")
+    if heads is None:
+        return None
+    return heads, hf.get("num_key_value_heads", heads)
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Raise ConfigError listing every problem of the config, or return quietly."""
+    problems = [p for key, f, value in walk(cfg) for p in field_problems(key, f, value)]
+    problems += cross_field_problems(cfg)
+    if not problems:
+        problems += allocation_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

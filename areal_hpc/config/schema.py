@@ -1,0 +1,240 @@
+"""The configuration schema: every option of a run, with its default and help text.
+
+Names follow the original system (REFERENCE.md section 1) where users know them. Each field carries
+`help` in its metadata; `choices` and the bounds `ge`, `gt`, `le`, `lt` are checked by `config.checks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, **meta: Any) -> Any:
+    """A schema field: default value (a list or dataclass type becomes a factory), help text, checks."""
+    meta["help"] = help
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class SlurmConfig:
+    gen_partition: str | None = opt(None, "Partition of the generation component (null: the site default).")
+    train_partition: str | None = opt(None, "Partition of the training component (null: the site default).")
+    account: str | None = opt(None, "Slurm account (--account).")
+    qos: str | None = opt(None, "Slurm quality of service (--qos).")
+    time: str | None = opt(
+        None, "Time limit of the job (--time), e.g. '2-00:00:00'; null: partition default."
+    )
+    constraint: str | None = opt(None, "Node features required (--constraint).")
+    nodelist: str | None = opt(None, "Nodes to use (--nodelist), a Slurm hostlist.")
+    exclude: str | None = opt(None, "Nodes to avoid (--exclude), a Slurm hostlist.")
+    cpus_per_gpu: int = opt(8, "CPUs requested per GPU of each component.", ge=1)
+    mem_per_gpu_gb: int = opt(64, "Host memory requested per GPU of each component, in GiB.", ge=1)
+    hetjob: bool = opt(
+        True, "Submit one heterogeneous job; false: two jobs that meet through the run directory."
+    )
+    extra_sbatch_lines: list[str] = opt([], "Extra '#SBATCH' options, one per item, e.g. '--reservation=x'.")
+    setup_commands: list[str] = opt([], "Shell lines run before each step, e.g. 'module load cuda/12.4'.")
+
+
+@dataclass
+class ClusterConfig:
+    fileroot: str = opt(
+        "~/areal_hpc", "Root of logs, checkpoints and run state; shared storage on a cluster."
+    )
+    n_nodes: int = opt(1, "Number of nodes of the whole run.", ge=1)
+    n_gpus_per_node: int = opt(8, "GPUs per node (on CPU: worker slots per node).", ge=1)
+    slurm: SlurmConfig = opt(SlurmConfig, "Slurm options of the generated sbatch script.")
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = opt("adam", "Optimizer (AdamW with decoupled weight decay).", choices=("adam",))
+    lr: float = opt(2e-5, "Peak learning rate.", gt=0)
+    weight_decay: float = opt(0.05, "Decoupled weight decay.", ge=0)
+    beta1: float = opt(0.9, "Adam beta1.", ge=0, lt=1)
+    beta2: float = opt(0.95, "Adam beta2.", ge=0, lt=1)
+    eps: float = opt(1e-5, "Adam epsilon.", gt=0)
+    min_lr_ratio: float = opt(
+        0.0, "Final learning rate as a fraction of lr (linear/cosine schedules).", ge=0, le=1
+    )
+    lr_scheduler_type: str = opt(
+        "constant", "Learning-rate schedule after warm-up.", choices=("constant", "linear", "cosine")
+    )
+    warmup_steps_proportion: float = opt(
+        0.001, "Fraction of all optimizer steps spent warming up.", ge=0, le=1
+    )
+    gradient_clipping: float = opt(1.0, "Clip the global gradient norm to this value.", gt=0)
+    offload: bool = opt(False, "Keep optimizer state in host memory.")
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = opt(None, "Hugging Face model directory (weights and tokenizer).")
+    backend: str = opt("torch", "Training backend.", choices=("torch", "megatron"))
+    dtype: str = opt("bfloat16", "Parameter dtype.", choices=("bfloat16", "float16", "float32"))
+    gradient_checkpointing: bool = opt(True, "Recompute activations in the backward pass to save memory.")
+    optimizer: OptimizerConfig = opt(OptimizerConfig, "Optimizer of this model (unused by ref).")
+
+
+@dataclass
+class MicroBatchSpec:
+    n_mbs: int = opt(1, "Minimum number of micro-batches.", ge=1)
+    max_tokens_per_mb: int = opt(30720, "Token budget of a micro-batch (first-fit-decreasing packing).", ge=1)
+
+
+@dataclass
+class ParallelConfig:
+    data: int = opt(1, "Data-parallel size (manual allocation only).", ge=1)
+    tensor: int = opt(1, "Tensor-parallel size (manual allocation only).", ge=1)
+    pipeline: int = opt(1, "Pipeline-parallel size (manual allocation only).", ge=1)
+
+
+@dataclass
+class MFCConfig:
+    mb_spec: MicroBatchSpec = opt(MicroBatchSpec, "Micro-batching of this model function call.")
+    device_mesh: str | None = opt(
+        None, "Devices of this call with allocation_mode=manual, e.g. 'node[01-02]'."
+    )
+    parallel: ParallelConfig = opt(ParallelConfig, "Parallel sizes with allocation_mode=manual.")
+
+
+@dataclass
+class DatasetConfig:
+    path: str | None = opt(None, "Training prompts, JSONL with query_id, prompt, task, solutions.")
+    valid_path: str | None = opt(None, "Held-out prompts in the same format (optional).")
+    train_bs_n_seqs: int = opt(512, "Prompts per training step.", ge=1)
+    max_prompt_len: int = opt(1024, "Prompts longer than this many tokens are dropped (and counted).", ge=1)
+    apply_chat_template: bool = opt(True, "Wrap each prompt in the tokenizer's chat template.")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = opt(16384, "Longest answer generated, in tokens.", ge=1)
+    min_new_tokens: int = opt(0, "Shortest answer generated, in tokens.", ge=0)
+    temperature: float = opt(1.0, "Sampling temperature (also divides logits in training).", gt=0)
+    top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
+    top_k: int = opt(-1, "Sample among the k most likely tokens; -1: all.", ge=-1)
+
+
+@dataclass
+class PPOConfig:
+    gen: GenerationConfig = opt(GenerationConfig, "Sampling of answers.")
+    ppo_n_minibatches: int = opt(
+        4, "Optimizer steps per training step (the batch is split into this many).", ge=1
+    )
+    eps_clip: float = opt(0.2, "PPO ratio clip: r is clipped to [1-eps, 1+eps].", gt=0, lt=1)
+    c_clip: float | None = opt(None, "Dual-clip bound for negative advantages (> 1); null: off.", gt=1)
+    value_eps_clip: float = opt(0.2, "Clip of the value update around the old value.", gt=0)
+    early_stop_imp_ratio: float | None = opt(
+        5.0, "Skip a minibatch update whose mean importance ratio exceeds this; null: off.", gt=1
+    )
+    kl_ctl: float = opt(
+        0.1, "Weight of the per-token KL penalty to the reference model; 0 removes ref.", ge=0
+    )
+    discount: float = opt(1.0, "GAE discount gamma.", ge=0, le=1)
+    gae_lambda: float = opt(1.0, "GAE lambda.", ge=0, le=1)
+    reward_output_scaling: float = opt(5.0, "Reward = ((success - 0.5) * 2 - bias) * scaling.")
+    reward_output_bias: float = opt(0.0, "Bias subtracted before scaling the reward.")
+    max_reward_clip: float = opt(20.0, "Sequence rewards are clipped to [-clip, clip].", gt=0)
+    adv_norm: bool = opt(True, "Normalise advantages over the valid tokens of the batch.")
+    group_adv_norm: bool = opt(False, "Normalise advantages within each prompt's group (GRPO).")
+    mask_no_eos_with_zero: bool = opt(False, "Zero the reward of answers truncated without EOS.")
+    disable_value: bool = opt(True, "No critic: values are 0 and critic calls are removed.")
+    recompute_logprob: bool = opt(True, "Recompute logprobs with the trainer before the update.")
+    use_decoupled_loss: bool = opt(True, "Decoupled PPO objective for stale samples (proximal policy).")
+    behav_imp_weight_cap: float | None = opt(
+        5.0, "Tokens whose pi_prox/pi_behav exceeds this get weight 0; null: no cap.", gt=1
+    )
+
+
+@dataclass
+class ExpCtrlConfig:
+    total_train_epochs: int = opt(1, "Passes over the training prompts.", ge=1)
+    save_freq_epochs: int | None = opt(None, "Save HF weights every N epochs; null: never.", ge=1)
+    save_freq_steps: int | None = opt(None, "Save HF weights every N steps; null: never.", ge=1)
+    save_freq_secs: int | None = opt(None, "Save HF weights every N seconds; null: never.", ge=1)
+    ckpt_freq_epochs: int | None = opt(None, "Write a recover checkpoint every N epochs; null: never.", ge=1)
+    ckpt_freq_steps: int | None = opt(None, "Write a recover checkpoint every N steps; null: never.", ge=1)
+    ckpt_freq_secs: int | None = opt(600, "Write a recover checkpoint every N seconds; null: never.", ge=1)
+    eval_freq_epochs: int | None = opt(None, "Evaluate every N epochs; null: never.", ge=1)
+    eval_freq_steps: int | None = opt(None, "Evaluate every N steps; null: never.", ge=1)
+    eval_freq_secs: int | None = opt(None, "Evaluate every N seconds; null: never.", ge=1)
+    benchmark_steps: int | None = opt(
+        None, "Stop after this many steps (benchmarking); null: run to the end.", ge=1
+    )
+
+
+@dataclass
+class EvalConfig:
+    data_names: list[str] = opt(
+        ["math_500", "aime24", "amc23"], "Evaluation sets, files <data_dir>/<name>.jsonl.", nonempty=True
+    )
+    data_dir: str | None = opt(None, "Folder of the evaluation sets; null: the shared data folder.")
+    max_gen_tokens: int = opt(32768, "Longest answer generated in evaluation.", ge=1)
+    n_sampling: int = opt(32, "Samples per question for pass@k and maj@k.", ge=1)
+    temperature: float = opt(0.6, "Sampling temperature of the sampled pass.", gt=0)
+    top_p: float = opt(0.95, "Nucleus sampling threshold of the sampled pass.", gt=0, le=1)
+    top_k: int = opt(-1, "Top-k of the sampled pass; -1: all.", ge=-1)
+    greedy: bool = opt(True, "Also run a greedy pass (temperature 0, one sample).")
+
+
+@dataclass
+class LoggingConfig:
+    level: str = opt("INFO", "Log level of every role.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    stats_jsonl: bool = opt(True, "Write per-step statistics to stats.jsonl in the log folder.")
+    tensorboard: bool = opt(False, "Also write statistics as TensorBoard events.")
+    progress: bool = opt(True, "Show a progress line with step, reward and ETA.")
+
+
+@dataclass
+class ExperimentConfig:
+    experiment_name: str = opt("areal-hpc", "Name of the experiment; no '_' allowed.")
+    trial_name: str | None = opt(None, "Name of this run of the experiment; null: 'run<timestamp>'.")
+    mode: str = opt(
+        "local", "Where the roles run: local processes or a Slurm job.", choices=("local", "slurm")
+    )
+    seed: int = opt(1, "Seed of data order, sampling and initialisation.", ge=0)
+    allocation_mode: str = opt(
+        "sglang.d4p1m1+d2p2m1", "GPU layout of generation and training (REFERENCE.md section 2)."
+    )
+    cluster: ClusterConfig = opt(ClusterConfig, "Resources and storage.")
+    actor: ModelConfig = opt(ModelConfig, "The policy being trained.")
+    ref: ModelConfig = opt(ModelConfig, "Reference policy of the KL penalty; path null: actor.path.")
+    critic: ModelConfig = opt(ModelConfig, "Value model (only when ppo.disable_value is false).")
+    actor_train: MFCConfig = opt(MFCConfig, "The actor's PPO update.")
+    actor_inf: MFCConfig = opt(MFCConfig, "The actor's logprob recomputation.")
+    ref_inf: MFCConfig = opt(MFCConfig, "The reference model's logprobs.")
+    critic_inf: MFCConfig = opt(MFCConfig, "The critic's values.")
+    critic_train: MFCConfig = opt(MFCConfig, "The critic's update.")
+    dataset: DatasetConfig = opt(DatasetConfig, "Training prompts and batch size.")
+    group_size: int = opt(16, "Answers sampled per prompt.", ge=1)
+    ppo: PPOConfig = opt(PPOConfig, "The PPO/GRPO algorithm.")
+    max_head_offpolicyness: int = opt(4, "Staleness bound eta; 0 reproduces synchronous PPO.", ge=0)
+    max_concurrent_rollouts: int | None = opt(
+        None, "Rollouts in flight at once; null: dataset.train_bs_n_seqs.", ge=1
+    )
+    n_rollout_workers: int | None = opt(
+        None, "Rollout worker processes; null: the training world size.", ge=1
+    )
+    success_rate_lb: float = opt(0.0, "Drop groups whose success rate is below this.", ge=0, le=1)
+    success_rate_ub: float = opt(1.0, "Drop groups whose success rate is above this.", ge=0, le=1)
+    schedule_policy: str = opt(
+        "round_robin",
+        "How the generation manager picks a server.",
+        choices=("round_robin", "least_requests", "least_token_usage"),
+    )
+    exp_ctrl: ExpCtrlConfig = opt(ExpCtrlConfig, "When to save, checkpoint, evaluate and stop.")
+    recover_mode: str = opt(
+        "disabled",
+        "auto: resume if a checkpoint exists; resume: must resume; fault: fresh, retries resume; disabled.",
+        choices=("auto", "resume", "fault", "disabled"),
+    )
+    recover_retries: int = opt(1, "How many times a failed run is restarted.", ge=0)
+    recover_after: int = opt(10, "Seconds to wait before restarting a failed run.", ge=0)
+    eval: EvalConfig = opt(EvalConfig, "Math evaluation (REFERENCE.md section 8).")
+    logging: LoggingConfig = opt(LoggingConfig, "Logs, statistics and progress display.")

@@ -1,0 +1,193 @@
+"""The config system: YAML over the schema, typed overrides, clear errors, dump and reload."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.cli import DOCS_PATH, main
+from areal_hpc.config import ConfigError, ExperimentConfig, dump_yaml, load_config
+from areal_hpc.config.checks import validate, walk
+from areal_hpc.config.docs import render_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_schema_defaults_are_valid():
+    validate(ExperimentConfig())
+
+
+def test_every_option_has_help_text():
+    for key, field, _ in walk(ExperimentConfig()):
+        assert field.metadata.get("help"), f"{key} has no help text"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = (
+        load_config([path])
+        if "32gpu" not in path.name
+        else load_config([ROOT / "configs/qwen3-1.7b-8gpu.yaml", path])
+    )
+    assert cfg.experiment_name
+
+
+def test_files_merge_in_order_and_overrides_win(tmp_path):
+    base = write(tmp_path, "ppo:\n  eps_clip: 0.3\n  kl_ctl: 0.5\n", "a.yaml")
+    top = write(tmp_path, "ppo:\n  kl_ctl: 0.0\n", "b.yaml")
+    cfg = load_config([base, top], ["ppo.eps_clip=0.25"])
+    assert (cfg.ppo.eps_clip, cfg.ppo.kl_ctl, cfg.ppo.discount) == (0.25, 0.0, 1.0)
+
+
+def test_overrides_are_coerced_to_the_field_type():
+    cfg = load_config(
+        overrides=[
+            "seed=7",
+            "actor.optimizer.lr=1e-5",
+            "ppo.adv_norm=false",
+            "ppo.c_clip=3",
+            "ppo.behav_imp_weight_cap=null",
+            "eval.data_names=aime24,amc23",
+            "cluster.slurm.setup_commands=[module load cuda, source env.sh]",
+            "trial_name=try-2",
+        ]
+    )
+    assert cfg.seed == 7
+    assert cfg.actor.optimizer.lr == 1e-5
+    assert cfg.ppo.adv_norm is False
+    assert cfg.ppo.c_clip == 3.0 and isinstance(cfg.ppo.c_clip, float)
+    assert cfg.ppo.behav_imp_weight_cap is None
+    assert cfg.eval.data_names == ["aime24", "amc23"]
+    assert cfg.cluster.slurm.setup_commands == ["module load cuda", "source env.sh"]
+    assert cfg.trial_name == "try-2"
+
+
+def test_yaml_scientific_notation_without_dot_is_a_float(tmp_path):
+    # PyYAML reads `1e-5` as a string; the schema type makes it a float.
+    cfg = load_config([write(tmp_path, "actor:\n  optimizer:\n    lr: 1e-5\n")])
+    assert cfg.actor.optimizer.lr == 1e-5
+
+
+def test_unknown_key_in_yaml_names_file_line_and_suggests(tmp_path):
+    path = write(tmp_path, "seed: 1\nppo:\n  eps_clp: 0.1\n")
+    with pytest.raises(
+        ConfigError, match=rf"{path}:3: unknown key 'ppo.eps_clp' \(did you mean 'ppo.eps_clip'\?\)"
+    ):
+        load_config([path])
+
+
+def test_unknown_override_suggests_the_key_elsewhere_in_the_tree():
+    with pytest.raises(
+        ConfigError, match=r"override 'eps_clip=0.1': unknown key 'eps_clip' \(did you mean 'ppo.eps_clip'"
+    ):
+        load_config(overrides=["eps_clip=0.1"])
+
+
+def test_wrong_type_names_key_and_source(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'group_size=many': 'group_size' expects int"):
+        load_config(overrides=["group_size=many"])
+    path = write(tmp_path, "cluster:\n  slurm:\n    time: 10:00\n")
+    # YAML 1.1 reads 10:00 as the integer 600: refuse instead of passing a wrong time limit to Slurm.
+    with pytest.raises(ConfigError, match=rf"{path}:3: 'cluster.slurm.time' expects str or null.*quote"):
+        load_config([path])
+
+
+def test_section_and_value_confusion_is_explained():
+    with pytest.raises(ConfigError, match="'ppo' is a section"):
+        load_config(overrides=["ppo=1"])
+    with pytest.raises(ConfigError, match="'seed' is a value, not a section"):
+        load_config(overrides=["seed.x=1"])
+
+
+def test_malformed_override_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form key.sub=value"):
+        load_config(overrides=["=3"])
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config([write(tmp_path, "a: [1, 2\n")])
+    with pytest.raises(ConfigError, match="appears twice"):
+        load_config([write(tmp_path, "seed: 1\nseed: 2\n")])
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config([tmp_path / "missing.yaml"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["experiment_name=my_exp"], "'experiment_name' is 'my_exp'; use letters"),
+        (["trial_name=a/b"], "'trial_name' is 'a/b'"),
+        (["ppo.eps_clip=0"], "'ppo.eps_clip' is 0.0; it must be > 0"),
+        (["ppo.gae_lambda=1.5"], "'ppo.gae_lambda' is 1.5; it must be <= 1"),
+        (["recover_mode=sometimes"], "'recover_mode' is 'sometimes'; choose one of auto, resume, fault"),
+        (["actor.backend=jax"], "'actor.backend' is 'jax'"),
+        (["ppo.c_clip=0.5"], "'ppo.c_clip' is 0.5; it must be > 1"),
+        (
+            ["success_rate_lb=0.9", "success_rate_ub=0.5"],
+            "'success_rate_lb' (0.9) is above 'success_rate_ub'",
+        ),
+        (["ppo.gen.min_new_tokens=99999"], "'ppo.gen.min_new_tokens' (99999) is above"),
+        (["ppo.disable_value=false"], "'critic.path' is required"),
+        (["eval.data_names="], "'eval.data_names' must not be empty"),
+    ],
+)
+def test_value_checks_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides)
+    assert message in str(err.value)
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["ppo.eps_clip=0", "group_size=0"])
+    assert "ppo.eps_clip" in str(err.value) and "group_size" in str(err.value)
+
+
+def test_allocation_is_checked_against_the_cluster():
+    with pytest.raises(ConfigError, match="'allocation_mode'.*sglang.d4p1m1\\+d2p2m1"):
+        load_config(overrides=["cluster.n_gpus_per_node=4"])
+    with pytest.raises(ConfigError, match="'allocation_mode'"):
+        load_config(overrides=["allocation_mode=sglang.d4x1"])
+
+
+def test_tensor_parallel_is_checked_against_the_model_heads(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 2}')
+    overrides = [f"actor.path={tmp_path}", "allocation_mode=sglang.d4p1m1+d1p1m4"]
+    with pytest.raises(ConfigError, match="'allocation_mode'"):
+        load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize("path", CONFIGS[:1] + [None], ids=["toy", "defaults"])
+def test_dump_then_reload_gives_an_identical_config(tmp_path, path):
+    cfg = load_config([path] if path else [], ["ppo.c_clip=3", "trial_name=t1"])
+    reloaded = load_config([write(tmp_path, dump_yaml(cfg))])
+    assert reloaded == cfg
+    assert dataclasses.asdict(reloaded) == dataclasses.asdict(cfg)
+
+
+def test_config_show_prints_the_resolved_yaml(capsys):
+    assert main(["config", "show", str(ROOT / "configs/toy-cpu.yaml"), "seed=5"]) == 0
+    out = capsys.readouterr().out
+    assert "seed: 5\n" in out and "experiment_name: toy-cpu\n" in out
+
+
+def test_config_show_reports_errors_without_a_traceback(capsys):
+    assert main(["config", "show", "ppo.eps_clp=1"]) == 2
+    assert "unknown key 'ppo.eps_clp'" in capsys.readouterr().err
+
+
+def test_config_docs_are_up_to_date():
+    assert DOCS_PATH.read_text() == render_markdown(), "docs/config.md is stale: run `make docs`"
+
+
+def test_config_docs_check_detects_a_stale_file(tmp_path):
+    out = tmp_path / "config.md"
+    assert main(["config", "docs", "--out", str(out)]) == 0
+    assert main(["config", "docs", "--out", str(out), "--check"]) == 0
+    out.write_text(out.read_text() + "edited\n")
+    assert main(["config", "docs", "--out", str(out), "--check"]) == 1
