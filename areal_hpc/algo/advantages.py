@@ -1,0 +1,280 @@
+"""Rewards, GAE advantages and advantage normalisation on packed sequences (REFERENCE section 5).
+
+All per-token tensors are token-aligned with length T (see ``areal_hpc.algo.packing``): position t
+holds the quantity of the action that emitted token t. ``values[t]`` is the critic's value of the
+prefix ending at token t, so the state *before* action t has value ``values[t-1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from areal_hpc.algo.packing import AlgoInputError, check_cu_seqlens, first_token_mask, seq_index
+
+# Sums a tensor elementwise across data-parallel ranks and returns the result.
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def dist_sum(group: torch.distributed.ProcessGroup | None = None) -> Reducer:
+    """A ``Reducer`` that all-reduces (sum) over ``group`` when torch.distributed is initialised."""
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            x = x.clone()
+            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM, group=group)
+        return x
+
+    return reduce
+
+
+def _check_same_length(cu: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and (t.dim() != 1 or t.shape[0] != cu[-1].item()):
+            raise AlgoInputError(
+                f"{name} must be 1-D of length T={cu[-1].item()}, got shape {tuple(t.shape)}"
+            )
+
+
+def _check_per_seq(cu: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dim() != 1 or t.shape[0] != len(cu) - 1:
+            raise AlgoInputError(
+                f"{name} must be 1-D with one entry per sequence (B={len(cu) - 1}), got {tuple(t.shape)}"
+            )
+
+
+def response_mask(prompt_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The loss mask: response tokens only (never the first token of a sequence, which has no logprob)."""
+    cu = check_cu_seqlens(cu_seqlens, total=prompt_mask.shape[0])
+    return ~prompt_mask.bool() & ~first_token_mask(cu)
+
+
+def token_rewards(
+    scores: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_no_eos_mask: torch.Tensor,
+    *,
+    logp_behav: torch.Tensor | None = None,
+    logp_ref: torch.Tensor | None = None,
+    kl_ctl: float = 0.1,
+    max_reward_clip: float = 20.0,
+    mask_no_eos_with_zero: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: KL penalty on response tokens plus the clipped sequence score at the last token.
+
+    ``scores`` (B) are the already scaled task rewards. Returns ``(rewards, kl_rewards)``, both length T,
+    where ``kl_rewards = -kl_ctl * (logp_behav - logp_ref)`` on ``loss_mask`` and 0 elsewhere. The
+    logprobs may be omitted when ``kl_ctl == 0`` (no reference model).
+    """
+    cu = check_cu_seqlens(cu_seqlens, total=loss_mask.shape[0])
+    _check_same_length(cu, logp_behav=logp_behav, logp_ref=logp_ref)
+    _check_per_seq(cu, scores=scores, seq_no_eos_mask=seq_no_eos_mask)
+    if max_reward_clip <= 0:
+        raise AlgoInputError(f"max_reward_clip must be positive, got {max_reward_clip}")
+    if kl_ctl != 0 and (logp_behav is None or logp_ref is None):
+        raise AlgoInputError(f"kl_ctl={kl_ctl} needs both logp_behav and logp_ref")
+
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    if kl_ctl != 0:
+        kl_rewards = torch.where(loss_mask.bool(), -kl_ctl * (logp_behav - logp_ref), 0.0).to(dtype)
+    else:
+        kl_rewards = torch.zeros(loss_mask.shape[0], dtype=dtype, device=loss_mask.device)
+    score = scores.to(dtype).clamp(-max_reward_clip, max_reward_clip)
+    if mask_no_eos_with_zero:
+        score = torch.where(seq_no_eos_mask.bool(), 0.0, score)
+    rewards = kl_rewards.clone()
+    rewards[cu[1:] - 1] += score
+    return rewards, kl_rewards
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    seq_no_eos_mask: torch.Tensor,
+    *,
+    discount: float = 1.0,
+    gae_lambda: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over packed sequences; returns ``(advantages, returns)``.
+
+    For action t of a sequence ending at e (exclusive), with V(before t) = ``values[t-1]``:
+    ``delta_t = rewards[t] + discount * next_t - values[t-1]``, where ``next_t = values[t]``, except at
+    the last token of a sequence that ended with EOS, where it is 0 (only truncated sequences bootstrap).
+    ``A_t = delta_t + discount * gae_lambda * A_{t+1}``; ``returns = A + values[t-1]``. ``values=None``
+    means all values are 0 (``disable_value``). The first slot of each sequence gets 0 in both outputs.
+    """
+    cu = check_cu_seqlens(cu_seqlens, total=rewards.shape[0])
+    _check_same_length(cu, rewards=rewards, values=values)
+    _check_per_seq(cu, seq_no_eos_mask=seq_no_eos_mask)
+    if not (0 <= discount <= 1 and 0 <= gae_lambda <= 1):
+        raise AlgoInputError(f"discount ({discount}) and gae_lambda ({gae_lambda}) must be in [0, 1]")
+    first = first_token_mask(cu)
+    if values is None:
+        values = torch.zeros_like(rewards)
+    values = values.to(rewards.dtype)
+
+    next_values = values.clone()
+    last = cu[1:] - 1
+    next_values[last] = torch.where(seq_no_eos_mask.bool(), values[last], 0.0)
+    prev_values = torch.where(first, 0.0, torch.roll(values, 1))
+    deltas = torch.where(first, 0.0, rewards + discount * next_values - prev_values)
+    advantages = _discounted_reverse_cumsum(deltas, cu, discount * gae_lambda)
+    advantages = torch.where(first, 0.0, advantages)
+    returns = torch.where(first, 0.0, advantages + prev_values)
+    return advantages, returns
+
+
+def _discounted_reverse_cumsum(x: torch.Tensor, cu: torch.Tensor, c: float) -> torch.Tensor:
+    """``y_t = sum_{k >= t, same sequence} c**(k-t) * x_k``, in log2(max length) vectorised steps.
+
+    Hillis-Steele scan: after the step with shift s, y_t sums the terms t .. t+2s-1 (cut at the
+    sequence end), because y_t += c**s * y_{t+s} appends the next block of s terms.
+    """
+    ends = cu[1:][seq_index(cu)]  # exclusive end of each token's sequence
+    pos = torch.arange(x.shape[0], device=x.device)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    y = x.clone()
+    shift = 1
+    while shift < max_len:
+        ahead = torch.zeros_like(y)
+        ahead[:-shift] = y[shift:]
+        y = y + (c**shift) * torch.where(pos + shift < ends, ahead, 0.0)
+        shift *= 2
+    return y
+
+
+def _normalize_with(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, eps: float):
+    return torch.where(mask, (x.double() - mean) / (std + eps), 0.0).to(x.dtype)
+
+
+def masked_normalize(
+    x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-5, reduce_fn: Reducer | None = None
+) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` with mean and (population) std over the tokens where ``mask`` holds.
+
+    Pass ``reduce_fn`` (e.g. ``dist_sum(dp_group)``) to take the statistics over all data-parallel ranks:
+    it receives the float64 vector [sum, sum of squares, count] and must return its global sum.
+    Masked-out positions are 0 in the result.
+    """
+    if x.shape != mask.shape:
+        raise AlgoInputError(
+            f"x and mask must have the same shape, got {tuple(x.shape)} and {tuple(mask.shape)}"
+        )
+    mask = mask.bool()
+    xm = torch.where(mask, x.double(), 0.0)
+    moments = torch.stack([xm.sum(), xm.square().sum(), mask.sum().double()])
+    if reduce_fn is not None:
+        moments = reduce_fn(moments)
+    total, total_sq, count = moments.unbind()
+    count = count.clamp(min=1)  # an all-masked batch normalises to zeros rather than NaN
+    mean = total / count
+    std = (total_sq / count - mean.square()).clamp(min=0).sqrt()
+    return _normalize_with(x, mask, mean, std, eps)
+
+
+def group_ids_of(n_seqs: int, group_size: int) -> torch.Tensor:
+    """Group id of each of ``n_seqs`` sequences when groups are ``group_size`` consecutive sequences."""
+    if group_size < 1 or n_seqs % group_size != 0:
+        raise AlgoInputError(
+            f"group_size={group_size} must be positive and divide the number of sequences ({n_seqs})"
+        )
+    return torch.arange(n_seqs) // group_size
+
+
+def group_masked_normalize(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``masked_normalize`` within each prompt's group of answers (GRPO).
+
+    Groups are given either as ``group_size`` consecutive sequences or as ``group_ids`` (B integers).
+    A group's sequences must all be in ``x`` (no cross-rank reduction). Masked-out positions are 0.
+    """
+    cu = check_cu_seqlens(cu_seqlens, total=x.shape[0])
+    _check_same_length(cu, mask=mask)
+    n_seqs = len(cu) - 1
+    if (group_size is None) == (group_ids is None):
+        raise AlgoInputError(f"give exactly one of group_size ({group_size}) and group_ids ({group_ids})")
+    if group_ids is None:
+        group_ids = group_ids_of(n_seqs, group_size)
+    _check_per_seq(cu, group_ids=group_ids)
+    _, group_of_seq = torch.unique(group_ids.to(cu.device), return_inverse=True)
+    group = group_of_seq[seq_index(cu)]
+
+    mask = mask.bool()
+    xm = torch.where(mask, x.double(), 0.0)
+    n_groups = int(group.max()) + 1
+
+    def group_sum(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_groups, dtype=torch.float64, device=x.device).index_add_(0, group, v)
+
+    count = group_sum(mask.double()).clamp(min=1)
+    mean = group_sum(xm) / count
+    std = (group_sum(xm.square()) / count - mean.square()).clamp(min=0).sqrt()
+    return _normalize_with(x, mask, mean[group], std[group], eps)
+
+
+def compute_advantages(
+    *,
+    scores: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_no_eos_mask: torch.Tensor,
+    logp_behav: torch.Tensor | None = None,
+    logp_ref: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    kl_ctl: float = 0.1,
+    discount: float = 1.0,
+    gae_lambda: float = 1.0,
+    max_reward_clip: float = 20.0,
+    mask_no_eos_with_zero: bool = False,
+    adv_norm: bool = True,
+    group_adv_norm: bool = False,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    reduce_fn: Reducer | None = None,
+) -> dict[str, torch.Tensor]:
+    """The whole pre-update pipeline: loss mask, rewards, GAE and (group) normalisation.
+
+    Defaults follow the ``ppo.*`` options. With ``adv_norm``, ``group_adv_norm`` selects per-group
+    normalisation (needs ``group_size`` or ``group_ids``) instead of the batch-wide one, which uses
+    ``reduce_fn`` across ranks. Returns ``loss_mask``, ``rewards``, ``kl_rewards``, ``advantages``
+    and ``returns`` (advantages and returns are 0 outside the loss mask).
+    """
+    loss_mask = response_mask(prompt_mask, cu_seqlens)
+    rewards, kl_rewards = token_rewards(
+        scores,
+        loss_mask,
+        cu_seqlens,
+        seq_no_eos_mask,
+        logp_behav=logp_behav,
+        logp_ref=logp_ref,
+        kl_ctl=kl_ctl,
+        max_reward_clip=max_reward_clip,
+        mask_no_eos_with_zero=mask_no_eos_with_zero,
+    )
+    advantages, returns = gae(
+        rewards, values, cu_seqlens, seq_no_eos_mask, discount=discount, gae_lambda=gae_lambda
+    )
+    if adv_norm and group_adv_norm:
+        advantages = group_masked_normalize(
+            advantages, loss_mask, cu_seqlens, group_size=group_size, group_ids=group_ids
+        )
+    elif adv_norm:
+        advantages = masked_normalize(advantages, loss_mask, reduce_fn=reduce_fn)
+    return {
+        "loss_mask": loss_mask,
+        "rewards": rewards,
+        "kl_rewards": kl_rewards,
+        "advantages": torch.where(loss_mask, advantages, 0.0),
+        "returns": torch.where(loss_mask, returns, 0.0),
+    }
