@@ -1,0 +1,59 @@
+"""Shared fixtures: the tiny model, its tokenizer and the toy data, built once per test session.
+
+``make tiny`` builds them into ``.cache/tiny``; when that holds a complete build of the current builder and
+seed, the tests read it, otherwise they build their own copy in a temporary directory (never in the repo).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # `areal_hpc` and `tools` importable without installing
+
+# No test may reach the network; the tiny model is built locally.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from tools.build_tiny_model import TinyBuild, build, is_complete  # noqa: E402
+
+TINY_SEED = 1
+REPO_TINY_DIR = REPO_ROOT / ".cache" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory: pytest.TempPathFactory) -> TinyBuild:
+    """Paths of the tiny build: model_dir, train_path, test_path."""
+    if is_complete(REPO_TINY_DIR, TINY_SEED):
+        return TinyBuild(REPO_TINY_DIR)
+    return build(tmp_path_factory.mktemp("tiny") / "build", seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_build: TinyBuild) -> Path:
+    """A Hugging Face directory holding the tiny Qwen2 model and its tokenizer."""
+    return tiny_build.model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):
+    """The tiny model's tokenizer (shared by the session: do not mutate it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def toy_train_path(tiny_build: TinyBuild) -> Path:
+    """JSONL file of the toy training questions."""
+    return tiny_build.train_path
+
+
+@pytest.fixture(scope="session")
+def toy_test_path(tiny_build: TinyBuild) -> Path:
+    """JSONL file of the held-out toy questions, disjoint from the training ones."""
+    return tiny_build.test_path
