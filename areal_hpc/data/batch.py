@@ -1,0 +1,103 @@
+"""Packed sample batches as HDF5 files in the run directory: the data plane between roles.
+
+A batch of B sequences is stored packed: `cu_seqlens` (B+1, int64) gives the boundaries; per-token arrays
+have length T = cu_seqlens[-1] and per-sequence arrays length B (the layout of `areal_hpc.algo.packing`).
+Every sequence has at least two tokens (a prompt token and an answer token), so T > B and an array's
+length alone says which kind it is.
+Files are written to a temporary name and renamed, so a reader never sees half a batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+CU = "cu_seqlens"
+
+
+class BatchError(ValueError):
+    """A batch whose arrays do not fit its cu_seqlens, or a key or file that is not there."""
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor, without importing torch here
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def check_packed(arrays: Mapping[str, Any]) -> tuple[int, int]:
+    """(B, T) of a packed batch; every array must be per-token (T) or per-sequence (B) along axis 0."""
+    if CU not in arrays:
+        raise BatchError(f"a packed batch needs '{CU}'; got keys {sorted(arrays)}")
+    cu = _as_numpy(arrays[CU])
+    if cu.ndim != 1 or len(cu) < 1 or cu[0] != 0 or np.any(np.diff(cu) < 2):
+        raise BatchError(f"'{CU}' must start at 0 and grow by >= 2 tokens a sequence, got {cu[:8].tolist()}")
+    n_seqs, n_tokens = len(cu) - 1, int(cu[-1])
+    for key, value in arrays.items():
+        length = _as_numpy(value).shape[0] if _as_numpy(value).ndim else None
+        if key != CU and length not in (n_seqs, n_tokens):
+            raise BatchError(f"'{key}' has length {length}; expected T={n_tokens} tokens or B={n_seqs} sequences")
+    return n_seqs, n_tokens
+
+
+def write_batch(path: str | Path, arrays: Mapping[str, Any], attrs: Mapping[str, Any] | None = None) -> Path:
+    """Write a packed batch atomically (tmp + rename); attrs are small JSON-like metadata."""
+    check_packed(arrays)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with h5py.File(tmp, "w") as f:
+        for key, value in arrays.items():
+            f.create_dataset(key, data=_as_numpy(value))
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
+    os.replace(tmp, path)
+    return path
+
+
+def read_batch(
+    path: str | Path, keys: Iterable[str] | None = None, seqs: Sequence[int] | None = None
+) -> dict[str, np.ndarray]:
+    """Arrays of a batch file (all keys, or `keys`), optionally only the sequences `seqs`, repacked."""
+    path = Path(path)
+    if not path.is_file():
+        raise BatchError(f"batch file {path} does not exist")
+    with h5py.File(path, "r") as f:
+        wanted = list(f.keys()) if keys is None else [k for k in keys if k != CU]
+        missing = [k for k in wanted if k not in f]
+        if missing:
+            raise BatchError(f"batch file {path} has no {missing}; it holds {sorted(f.keys())}")
+        arrays = {k: f[k][()] for k in wanted}
+        arrays[CU] = f[CU][()]
+    return arrays if seqs is None else select(arrays, seqs)
+
+
+def read_attrs(path: str | Path) -> dict[str, Any]:
+    """The metadata of a batch file."""
+    with h5py.File(path, "r") as f:
+        return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+
+
+def select(arrays: Mapping[str, np.ndarray], seqs: Sequence[int]) -> dict[str, np.ndarray]:
+    """The sequences `seqs` (in that order) of a packed batch, repacked with a new cu_seqlens."""
+    n_seqs, n_tokens = check_packed(arrays)
+    cu = np.asarray(arrays[CU], dtype=np.int64)
+    seqs = np.asarray(seqs, dtype=np.int64)
+    if len(seqs) and (seqs.min() < 0 or seqs.max() >= n_seqs):
+        raise BatchError(f"sequence index out of range 0..{n_seqs - 1}: {seqs.tolist()[:8]}")
+    token_idx = (
+        np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seqs]) if len(seqs) else np.zeros(0, np.int64)
+    )
+    lengths = cu[seqs + 1] - cu[seqs]
+    out = {CU: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}
+    for key, value in arrays.items():
+        if key == CU:
+            continue
+        out[key] = value[token_idx] if value.shape[0] == n_tokens else value[seqs]
+    return out
+

@@ -1,0 +1,51 @@
+"""Packed HDF5 batch files: the data plane between roles."""
+
+import numpy as np
+import pytest
+
+from areal_hpc.data.batch import BatchError, read_attrs, read_batch, select, write_batch
+
+
+def toy_batch():
+    # Three sequences of 3, 2 and 4 tokens.
+    return {
+        "cu_seqlens": np.array([0, 3, 5, 9]),
+        "packed_input_ids": np.arange(9),
+        "rewards": np.array([1.0, -1.0, 0.5], dtype=np.float32),
+    }
+
+
+def test_write_then_read_round_trips_arrays_and_attrs(tmp_path):
+    path = write_batch(tmp_path / "step1" / "gen.h5", toy_batch(), {"step": 1, "version": 3})
+    out = read_batch(path)
+    assert out.keys() == toy_batch().keys()
+    np.testing.assert_array_equal(out["packed_input_ids"], np.arange(9))
+    assert read_attrs(path) == {"step": 1, "version": 3}
+    assert [p.name for p in path.parent.iterdir()] == ["gen.h5"]  # no temporary file left
+
+
+def test_select_repacks_sequences_in_the_given_order():
+    out = select(toy_batch(), [2, 0])
+    assert out["cu_seqlens"].tolist() == [0, 4, 7]
+    assert out["packed_input_ids"].tolist() == [5, 6, 7, 8, 0, 1, 2]
+    assert out["rewards"].tolist() == [0.5, 1.0]
+
+
+def test_read_some_keys_of_some_sequences(tmp_path):
+    path = write_batch(tmp_path / "b.h5", toy_batch())
+    out = read_batch(path, keys=["rewards"], seqs=[1])
+    assert out["rewards"].tolist() == [-1.0] and out["cu_seqlens"].tolist() == [0, 2]
+
+
+def test_bad_batches_are_refused_with_the_key_named(tmp_path):
+    with pytest.raises(BatchError, match="'rewards' has length 2"):
+        write_batch(tmp_path / "b.h5", {**toy_batch(), "rewards": np.zeros(2)})
+    with pytest.raises(BatchError, match="grow by >= 2 tokens"):
+        write_batch(tmp_path / "b.h5", {"cu_seqlens": np.array([0, 1])})
+    path = write_batch(tmp_path / "b.h5", toy_batch())
+    with pytest.raises(BatchError, match=r"has no \['values'\]"):
+        read_batch(path, keys=["values"])
+    with pytest.raises(BatchError, match="out of range"):
+        select(toy_batch(), [3])
+    with pytest.raises(BatchError, match="does not exist"):
+        read_batch(tmp_path / "missing.h5")
