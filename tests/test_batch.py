@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from areal_hpc.data.batch import BatchError, read_attrs, read_batch, select, write_batch
+from areal_hpc.data.batch import BatchError, gather, read_attrs, read_batch, select, write_batch
 
 
 def toy_batch():
@@ -49,3 +49,28 @@ def test_bad_batches_are_refused_with_the_key_named(tmp_path):
         select(toy_batch(), [3])
     with pytest.raises(BatchError, match="does not exist"):
         read_batch(tmp_path / "missing.h5")
+
+
+def test_gather_assembles_samples_from_several_files(tmp_path):
+    gen = write_batch(tmp_path / "gen.h5", toy_batch())
+    inf = write_batch(  # a trainer rank's output for sequences 2 and 0, in that order
+        tmp_path / "inf.h5", {"cu_seqlens": np.array([0, 4, 7]), "proximal_logprobs": np.arange(7.0)}
+    )
+    out = gather(
+        {
+            "packed_input_ids": [(str(gen), 0), (str(gen), 2)],
+            "rewards": [(str(gen), 0), (str(gen), 2)],
+            "proximal_logprobs": [(str(inf), 1), (str(inf), 0)],
+        }
+    )
+    assert out["cu_seqlens"].tolist() == [0, 3, 7]
+    assert out["packed_input_ids"].tolist() == [0, 1, 2, 5, 6, 7, 8]
+    assert out["rewards"].tolist() == [1.0, 0.5]
+    assert out["proximal_logprobs"].tolist() == [4.0, 5.0, 6.0, 0.0, 1.0, 2.0, 3.0]
+
+
+def test_gather_refuses_misaligned_tokens(tmp_path):
+    gen = write_batch(tmp_path / "gen.h5", toy_batch())
+    other = write_batch(tmp_path / "other.h5", {"cu_seqlens": np.array([0, 3, 5]), "x": np.zeros(5)})
+    with pytest.raises(BatchError, match="has 2 tokens, not 3"):
+        gather({"packed_input_ids": [(str(gen), 0)], "rewards": [(str(gen), 1)], "x": [(str(other), 1)]})

@@ -41,7 +41,9 @@ def check_packed(arrays: Mapping[str, Any]) -> tuple[int, int]:
     for key, value in arrays.items():
         length = _as_numpy(value).shape[0] if _as_numpy(value).ndim else None
         if key != CU and length not in (n_seqs, n_tokens):
-            raise BatchError(f"'{key}' has length {length}; expected T={n_tokens} tokens or B={n_seqs} sequences")
+            raise BatchError(
+                f"'{key}' has length {length}; expected T={n_tokens} tokens or B={n_seqs} sequences"
+            )
     return n_seqs, n_tokens
 
 
@@ -101,3 +103,39 @@ def select(arrays: Mapping[str, np.ndarray], seqs: Sequence[int]) -> dict[str, n
         out[key] = value[token_idx] if value.shape[0] == n_tokens else value[seqs]
     return out
 
+
+def gather(refs: Mapping[str, Sequence[tuple[str, int]]]) -> dict[str, np.ndarray]:
+    """A packed batch assembled from several files: `refs[key][i]` = (file, sequence index) of sample i.
+
+    Reads each file once per key; per-token arrays of one sample must have the same length in every file.
+    """
+    n_samples = {len(v) for v in refs.values()}
+    if len(n_samples) > 1:
+        raise BatchError(f"every key needs one reference per sample; got counts {sorted(n_samples)}")
+    out: dict[str, np.ndarray] = {}
+    lengths: np.ndarray | None = None
+    for key, key_refs in refs.items():
+        pieces: list[np.ndarray | None] = [None] * len(key_refs)
+        by_file: dict[str, list[int]] = {}
+        for i, (path, _) in enumerate(key_refs):
+            by_file.setdefault(path, []).append(i)
+        for path, positions in by_file.items():
+            part = read_batch(path, keys=[key], seqs=[key_refs[i][1] for i in positions])
+            cu, values = part[CU], part[key]
+            per_token = values.shape[0] == cu[-1]
+            for j, i in enumerate(positions):
+                pieces[i] = values[cu[j] : cu[j + 1]] if per_token else values[j : j + 1]
+                if per_token:
+                    length = cu[j + 1] - cu[j]
+                    if lengths is None:
+                        lengths = np.zeros(len(key_refs), dtype=np.int64)
+                    if lengths[i] and lengths[i] != length:
+                        raise BatchError(
+                            f"'{key}' of sample {i} in {path} has {length} tokens, not {lengths[i]}"
+                        )
+                    lengths[i] = length
+        out[key] = np.concatenate(pieces)
+    if lengths is None:
+        raise BatchError(f"gather needs at least one per-token key, got {sorted(refs)}")
+    out[CU] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return out
