@@ -18,13 +18,21 @@ Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def dist_sum(group: torch.distributed.ProcessGroup | None = None) -> Reducer:
-    """A ``Reducer`` that all-reduces (sum) over ``group`` when torch.distributed is initialised."""
+    """A ``Reducer`` that all-reduces (sum) over ``group`` when torch.distributed is initialised.
+
+    NCCL reduces only GPU tensors, so a CPU tensor makes a round trip through the current GPU.
+    """
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return x
+        on = x.device
+        if torch.distributed.get_backend(group) == "nccl" and on.type != "cuda":
+            x = x.to(torch.device("cuda", torch.cuda.current_device()))
+        else:
             x = x.clone()
-            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM, group=group)
-        return x
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM, group=group)
+        return x.to(on)
 
     return reduce
 

@@ -1,0 +1,287 @@
+"""TorchEngine: one model on one trainer rank. Forward passes over micro-batches, and optimizer steps whose
+gradients are summed over the data-parallel ranks (plain data parallelism, no wrapper: every rank holds the
+whole model and ends each step with the same weights).
+
+Precision: an engine that trains keeps float32 weights (the master copy AdamW updates) and runs the forward
+under autocast in the configured dtype; an inference-only engine (ref) loads its weights in that dtype.
+With float32 configured (the tests) both are plain float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from areal_hpc.algo.packing import align_next_token
+from areal_hpc.config.schema import MicroBatchSpec, ModelConfig, OptimizerConfig
+from areal_hpc.data.batch import CU, select
+from areal_hpc.train import dist
+from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
+from areal_hpc.train.models import DTYPES, copy_tokenizer, enable_checkpointing, load_model, save_model
+
+logger = logging.getLogger(__name__)
+
+# A micro-batch's model output (logits [T, V] or values [T]) and its tensors -> its share of the minibatch loss.
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+GRAD_BUCKET_NUMEL = 32 * 1024 * 1024  # gradients all-reduced per bucket of this many elements
+
+
+def lr_factor(step: int, total_steps: int, opt: OptimizerConfig) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``opt.lr``.
+
+    Linear warm-up over ``int(warmup_steps_proportion * total_steps)`` steps (the first step already gets a
+    non-zero rate), then constant, or a linear or cosine decay that reaches ``min_lr_ratio`` at
+    ``total_steps`` and stays there.
+    """
+    warmup = int(opt.warmup_steps_proportion * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if opt.lr_scheduler_type == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    if opt.lr_scheduler_type == "linear":
+        decay = 1.0 - progress
+    elif opt.lr_scheduler_type == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown lr_scheduler_type {opt.lr_scheduler_type!r}")
+    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Token-aligned float32 ``log p(token t | tokens < t)`` from packed logits ``[T, V]`` (first tokens: 0).
+
+    Logits are divided by ``temperature``, as in sampling.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    next_ids = torch.roll(input_ids, -1)  # the last token of a sequence gets garbage, dropped below
+    picked = logits.gather(-1, next_ids[:, None]).squeeze(-1)
+    return align_next_token(picked - logits.logsumexp(-1), cu_seqlens)
+
+
+def _make_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
+    # No weight decay on biases and norm scales (the 1-D parameters), as is usual for transformers.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+
+
+def _buckets(params: Sequence[torch.nn.Parameter], max_numel: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters of one dtype, about ``max_numel`` elements per bucket."""
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in params:
+        if not buckets or size + p.numel() > max_numel or buckets[-1][0].dtype != p.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel()
+    return buckets
+
+
+class TorchEngine:
+    """A model (causal LM, or with ``critic`` a value model) on this rank, with its optimizer if it trains.
+
+    ``total_train_steps`` is the number of optimizer steps of the whole run (training steps times
+    ``ppo_n_minibatches``), the length of the LR schedule; ``None`` makes an inference-only engine.
+    Every rank must pass the same ``seed`` (it seeds the value head and anything random in the model).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        total_train_steps: int | None = None,
+        seed: int = 1,
+        *,
+        critic: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        if not model_cfg.path:
+            raise ValueError("the model config has no path to load the model from")
+        torch.manual_seed(seed)
+        self.cfg = model_cfg
+        self.source_dir = Path(model_cfg.path)
+        self.device = torch.device(device) if device is not None else dist.default_device()
+        self.dtype = DTYPES[model_cfg.dtype]
+        self.trainable = total_train_steps is not None
+        self.mixed_precision = self.trainable and self.dtype != torch.float32
+        weights_dtype = torch.float32 if self.trainable else self.dtype
+        self.model = load_model(self.source_dir, weights_dtype, critic=critic).to(self.device)
+        self.critic = critic
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if self.trainable:
+            if model_cfg.gradient_checkpointing:
+                enable_checkpointing(self.model)
+            self.optimizer = _make_optimizer(self.model, model_cfg.optimizer)
+            schedule = partial(lr_factor, total_steps=max(1, total_train_steps), opt=model_cfg.optimizer)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        else:
+            self.model.requires_grad_(False)
+        self.model.eval()
+
+    # --- forward ----------------------------------------------------------------------------------------
+
+    def forward(self, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Model outputs of a packed micro-batch: logits ``[T, V]`` (LM) or float32 values ``[T]`` (critic)."""
+        ids, mask = pad(mb["packed_input_ids"], mb[CU])
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.mixed_precision):
+            out = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
+        # Logits stay in the compute dtype here: at real vocabulary sizes every float32 copy costs gigabytes.
+        return unpad(out, mask).float() if self.critic else unpad(out.logits, mask)
+
+    def _inference(
+        self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec, per_token: LossFn
+    ) -> torch.Tensor:
+        """``per_token(outputs, mb)`` of every micro-batch, put back in the batch's packed order (float32, CPU)."""
+        inputs = {CU: batch[CU], "packed_input_ids": batch["packed_input_ids"]}
+        out = torch.zeros(int(batch[CU][-1]), dtype=torch.float32)
+        self.model.eval()
+        with torch.no_grad():
+            for group in micro_batch_groups(seq_lengths(batch), mb_spec):
+                mb = to_torch(select(inputs, group), self.device)
+                out[torch.from_numpy(token_indices(batch[CU], group))] = per_token(self.forward(mb), mb).cpu()
+        return out
+
+    def logprobs(
+        self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec
+    ) -> torch.Tensor:
+        """Token-aligned float32 logprobs (T) of ``packed_input_ids`` given the previous tokens; 0 at each
+        sequence's first token. Logits are divided by ``temperature``."""
+        if self.critic:
+            raise TypeError("a critic engine has values, not logprobs")
+        return self._inference(
+            batch,
+            mb_spec,
+            lambda logits, mb: token_logprobs(logits, mb["packed_input_ids"], mb[CU], temperature),
+        )
+
+    def values(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec) -> torch.Tensor:
+        """The critic's value (T, float32) of each prefix ending at each token."""
+        if not self.critic:
+            raise TypeError("values need a critic engine (critic=True)")
+        return self._inference(batch, mb_spec, lambda values, mb: values)
+
+    # --- training ---------------------------------------------------------------------------------------
+
+    def train_minibatch(
+        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn
+    ) -> dict[str, float]:
+        """One optimizer step on a minibatch: gradients accumulated over ``micro_batches``, summed over ranks.
+
+        ``loss_fn`` must already divide each micro-batch's loss by the minibatch's GLOBAL normaliser (e.g. its
+        valid tokens over all ranks), so the summed gradients are those of the global mean. A rank with no
+        micro-batches still joins the step. Returns ``loss`` (this rank's summed losses), ``grad_norm``
+        (before clipping) and ``lr`` (the rate this step used).
+        """
+        self._require_optimizer().zero_grad(set_to_none=True)
+        loss = self.backward(micro_batches, loss_fn)
+        return {"loss": loss, **self.step()}
+
+    def backward(self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn) -> float:
+        """Accumulate this rank's gradients of ``loss_fn`` over ``micro_batches``; returns the summed loss."""
+        self._require_optimizer()
+        self.model.train()
+        total = 0.0
+        for mb_arrays in micro_batches:
+            mb = to_torch(mb_arrays, self.device)
+            loss = loss_fn(self.forward(mb), mb)
+            loss.backward()
+            total += loss.item()
+        self.model.eval()
+        return total
+
+    def step(self) -> dict[str, float]:
+        """Sum gradients over ranks, clip, step the optimizer and the LR schedule; ``grad_norm`` and ``lr``.
+
+        A non-finite gradient norm skips the update (on every rank alike: the norm is of the summed gradient).
+        """
+        optimizer = self._require_optimizer()
+        self._all_reduce_grads()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.cfg.optimizer.gradient_clipping
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        lr = optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            logger.warning("gradient norm is %s: skipping this optimizer step", grad_norm)
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    def _all_reduce_grads(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # unused on this rank (or no micro-batch here): contributes zero
+                p.grad = torch.zeros_like(p)
+        if dist.get_world_size() == 1:
+            return
+        for bucket in _buckets(params, GRAD_BUCKET_NUMEL):
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            dist.all_reduce_(flat)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("this engine is inference-only (made with total_train_steps=None)")
+        return self.optimizer
+
+    # --- saving -----------------------------------------------------------------------------------------
+
+    def save_hf(self, path: str | Path) -> Path | None:
+        """Write the model as an HF directory at ``path`` (weights in the configured dtype, safetensors, plus
+        the source's tokenizer files), atomically: built under a temporary name, then renamed. Rank 0 writes;
+        other ranks return None at once (the caller synchronises if it must)."""
+        if dist.get_rank() != 0:
+            return None
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_model(self.model, tmp, self.dtype)
+        copy_tokenizer(self.source_dir, tmp)
+        if path.exists():  # a directory cannot be renamed over a non-empty one: move the old one aside
+            old = path.with_name(f".{path.name}.old{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+        return path
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and LR-schedule state, for recover checkpoints."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.model.load_state_dict(state["model"])
+        if self.optimizer and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])

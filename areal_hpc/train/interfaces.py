@@ -1,0 +1,253 @@
+"""What a trainer rank does for each model function call (MFC) on its data-parallel part of a batch.
+
+Inputs are dicts of numpy arrays as ``data.batch.read_batch`` returns them: this rank's sequences, packed (the
+batch keys of docs/architecture.md). Inference returns the new per-token arrays for ``write_batch``. A train step
+returns statistics under the original's names, reduced over the data-parallel ranks, so every rank returns the
+same dict. Train steps run collectives: every rank of the group must make the same call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from areal_hpc.algo.advantages import compute_advantages, response_mask
+from areal_hpc.algo.ppo import actor_loss, critic_loss
+from areal_hpc.config.schema import MicroBatchSpec, PPOConfig
+from areal_hpc.data.batch import CU
+from areal_hpc.train import dist
+from areal_hpc.train.engine import LossFn, TorchEngine, token_logprobs
+from areal_hpc.train.microbatch import micro_batches, minibatches
+from areal_hpc.train.stats import StatsTracker
+
+Batch = Mapping[str, np.ndarray]
+
+ACTOR_TOTALS = (
+    "n_tokens",
+    "n_valid_tokens",
+    "clipped_tokens",
+    "dual_clipped_tokens",
+    "unclipped_behave_tokens",
+)
+
+
+# --- inference ----------------------------------------------------------------------------------------------
+
+
+def actor_inference(
+    engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec, temperature: float
+) -> dict[str, np.ndarray]:
+    """actor_inf: ``proximal_logprobs`` under the current weights (logits divided by the generation
+    temperature)."""
+    return {"proximal_logprobs": engine.logprobs(batch, temperature, mb_spec).numpy()}
+
+
+def ref_inference(
+    engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec, temperature: float
+) -> dict[str, np.ndarray]:
+    """ref_inf: ``packed_ref_logprobs`` of the reference model (same temperature as the actor)."""
+    return {"packed_ref_logprobs": engine.logprobs(batch, temperature, mb_spec).numpy()}
+
+
+def critic_inference(engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, np.ndarray]:
+    """critic_inf: ``values`` of the prefix ending at each token."""
+    return {"values": engine.values(batch, mb_spec).numpy()}
+
+
+# --- shared by the train steps ------------------------------------------------------------------------------
+
+
+def old_logprob_key(ppo: PPOConfig) -> str:
+    """The batch key actor_train takes old logprobs from: the recomputed ones when the objective is not
+    decoupled, otherwise the behaviour policy's (the proximal ones then enter as the proximal policy)."""
+    return "proximal_logprobs" if ppo.recompute_logprob and not ppo.use_decoupled_loss else "packed_logprobs"
+
+
+def _require(batch: Batch, keys: Iterable[str], what: str) -> None:
+    missing = sorted(set(keys) - set(batch))
+    if missing:
+        raise KeyError(f"{what} needs batch keys {missing}; the batch holds {sorted(batch)}")
+
+
+def _advantages(batch: Batch, ppo: PPOConfig, *, use_values: bool, adv_norm: bool) -> dict[str, torch.Tensor]:
+    """``compute_advantages`` on this rank's batch; the batch-wide normalisation spans all ranks."""
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
+    kl = ppo.kl_ctl != 0
+    return compute_advantages(
+        scores=t["rewards"],
+        prompt_mask=t["prompt_mask"],
+        cu_seqlens=t[CU],
+        seq_no_eos_mask=t["seq_no_eos_mask"],
+        logp_behav=t[old_logprob_key(ppo)] if kl else None,
+        logp_ref=t["packed_ref_logprobs"] if kl else None,
+        values=t["values"] if use_values else None,
+        kl_ctl=ppo.kl_ctl,
+        discount=ppo.discount,
+        gae_lambda=ppo.gae_lambda,
+        max_reward_clip=ppo.max_reward_clip,
+        mask_no_eos_with_zero=ppo.mask_no_eos_with_zero,
+        adv_norm=adv_norm,
+        group_adv_norm=ppo.group_adv_norm,
+        group_ids=t["group_ids"] if adv_norm and ppo.group_adv_norm else None,
+        # Not algo's dist_sum: NCCL cannot reduce these CPU tensors; ours moves them to the GPU and back.
+        reduce_fn=dist.all_reduce_sum,
+    )
+
+
+def _rl_keys(ppo: PPOConfig, *, values: bool) -> list[str]:
+    keys = ["packed_input_ids", "prompt_mask", "rewards", "seq_no_eos_mask", old_logprob_key(ppo)]
+    keys += ["packed_ref_logprobs"] if ppo.kl_ctl != 0 else []
+    keys += ["values"] if values else []
+    return keys
+
+
+def _sequence_stats(tracker: StatsTracker, batch: Batch, global_step: int | None) -> None:
+    """Per-sequence statistics of the batch as the rollout left it."""
+    cu = np.asarray(batch[CU], dtype=np.int64)
+    every = torch.ones(len(cu) - 1, dtype=torch.bool)
+    prompt_len = np.add.reduceat(np.asarray(batch["prompt_mask"], dtype=np.int64), cu[:-1])
+    # task_reward is the answer's correctness (0/1) when the rollout recorded it; reward is the scaled score.
+    per_seq = {
+        "task_reward": batch["success"] if "success" in batch else batch["rewards"],
+        "reward": batch["rewards"],
+        "seq_len": np.diff(cu),
+        "prompt_len": prompt_len,
+        "no_eos_ratios": batch["seq_no_eos_mask"],
+    }
+    if global_step is not None and "version_start" in batch and "version_end" in batch:
+        per_seq["head_offpolicyness"] = global_step - np.asarray(batch["version_start"])
+        per_seq["tail_offpolicyness"] = global_step - np.asarray(batch["version_end"])
+    for name, values in per_seq.items():
+        tracker.masked(name, torch.from_numpy(np.asarray(values, dtype=np.float64)), every)
+    tracker.total("n_seqs", len(cu) - 1)
+
+
+def _train_minibatches(
+    engine: TorchEngine,
+    batch: Batch,
+    n_minibatches: int,
+    mb_spec: MicroBatchSpec,
+    make_loss_fn: Callable[[float], LossFn],
+    tracker: StatsTracker,
+) -> None:
+    """One optimizer step per minibatch; each loss is normalised by the minibatch's valid tokens on all ranks."""
+    for part in minibatches(batch, n_minibatches):
+        n_valid = 0.0 if part is None else float(part["loss_mask"].sum())
+        normaliser = max(dist.all_reduce_sum(torch.tensor(n_valid, dtype=torch.float64)).item(), 1.0)
+        mbs = [] if part is None else micro_batches(part, mb_spec)
+        step = engine.train_minibatch(mbs, make_loss_fn(normaliser))
+        tracker.mean("grad_norm", step["grad_norm"])
+        tracker.mean("lr", step["lr"])
+
+
+# --- train steps --------------------------------------------------------------------------------------------
+
+
+def actor_train_step(
+    engine: TorchEngine,
+    batch: Batch,
+    ppo: PPOConfig,
+    mb_spec: MicroBatchSpec,
+    *,
+    global_step: int | None = None,
+) -> dict[str, float]:
+    """actor_train: advantages, then ``ppo_n_minibatches`` PPO updates; statistics under ``ppo_actor/``.
+
+    ``global_step`` (with ``version_start``/``version_end`` in the batch) adds head/tail off-policyness.
+    Group normalisation (``group_adv_norm``) needs each prompt's whole group on this rank.
+    """
+    decoupled = ppo.use_decoupled_loss
+    keys = _rl_keys(ppo, values=not ppo.disable_value) + (["proximal_logprobs"] if decoupled else [])
+    keys += ["group_ids"] if ppo.adv_norm and ppo.group_adv_norm else []
+    _require(batch, keys, "actor_train")
+    adv = _advantages(batch, ppo, use_values=not ppo.disable_value, adv_norm=ppo.adv_norm)
+    data = {**batch, "advantages": adv["advantages"].numpy(), "loss_mask": adv["loss_mask"].numpy()}
+    old_key = old_logprob_key(ppo)
+    tracker = StatsTracker()
+    _sequence_stats(tracker, batch, global_step)
+
+    def make_loss_fn(normaliser: float) -> LossFn:
+        def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            logp = token_logprobs(logits, mb["packed_input_ids"], mb[CU], ppo.gen.temperature)
+            loss, stats = actor_loss(
+                logp,
+                mb[old_key],
+                mb["advantages"],
+                mb["loss_mask"],
+                eps_clip=ppo.eps_clip,
+                c_clip=ppo.c_clip,
+                proximal_logprobs=mb["proximal_logprobs"] if decoupled else None,
+                behav_imp_weight_cap=ppo.behav_imp_weight_cap if decoupled else None,
+                early_stop_imp_ratio=ppo.early_stop_imp_ratio,
+                loss_normalizer=normaliser,
+            )
+            tracker.add(stats, totals=ACTOR_TOTALS)
+            tracker.mean("early_stopped", stats["early_stopped"])
+            return loss
+
+        return loss_fn
+
+    _train_minibatches(engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker)
+    return tracker.reduce("ppo_actor")
+
+
+def critic_train_step(
+    engine: TorchEngine, batch: Batch, ppo: PPOConfig, mb_spec: MicroBatchSpec
+) -> dict[str, float]:
+    """critic_train: clipped value loss towards the GAE returns, ``ppo_n_minibatches`` updates; ``ppo_critic/``."""
+    _require(batch, _rl_keys(ppo, values=True), "critic_train")
+    adv = _advantages(batch, ppo, use_values=True, adv_norm=False)  # returns do not depend on normalisation
+    data = {**batch, "returns": adv["returns"].numpy(), "loss_mask": adv["loss_mask"].numpy()}
+    tracker = StatsTracker()
+
+    def make_loss_fn(normaliser: float) -> LossFn:
+        def loss_fn(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss, stats = critic_loss(
+                values,
+                mb["values"],
+                mb["returns"],
+                mb["loss_mask"],
+                value_eps_clip=ppo.value_eps_clip,
+                loss_normalizer=normaliser,
+            )
+            tracker.add(stats, totals=("n_tokens", "n_valid_tokens"))
+            return loss
+
+        return loss_fn
+
+    _train_minibatches(engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker)
+    return tracker.reduce("ppo_critic")
+
+
+def sft_train_step(engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, float]:
+    """sft_train: one optimizer step of next-token NLL on the answer tokens (``prompt_mask`` False), normalised
+    by the answer tokens of all ranks. Returns ``sft/loss`` (mean NLL before the update), ``sft/ppl``,
+    ``sft/n_tokens``, ``sft/grad_norm`` and ``sft/lr``."""
+    _require(batch, ["packed_input_ids", "prompt_mask"], "sft_train")
+    mask = response_mask(torch.from_numpy(np.asarray(batch["prompt_mask"])), torch.from_numpy(batch[CU]))
+    data = {**batch, "loss_mask": mask.numpy()}
+    tracker = StatsTracker()
+    tracker.total("n_tokens", mask.sum())
+
+    def make_loss_fn(normaliser: float) -> LossFn:
+        def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            logp = token_logprobs(logits, mb["packed_input_ids"], mb[CU])
+            nll = torch.where(mb["loss_mask"], -logp, 0.0).sum()
+            tracker.total("nll", nll)
+            return nll / normaliser
+
+        return loss_fn
+
+    _train_minibatches(engine, data, 1, mb_spec, make_loss_fn, tracker)
+    stats = tracker.reduce()
+    loss = stats["nll"] / max(stats["n_tokens"], 1.0)
+    return {
+        "sft/loss": loss,
+        "sft/ppl": math.exp(min(loss, 700.0)),  # exp overflows a float past ~709
+        "sft/n_tokens": stats["n_tokens"],
+        "sft/grad_norm": stats["grad_norm"],
+        "sft/lr": stats["lr"],
+    }
