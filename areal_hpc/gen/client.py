@@ -1,0 +1,153 @@
+"""Client of a generation server speaking SGLang's HTTP API (real SGLang or the built-in server), stdlib only.
+
+Every call has a timeout; every failure raises ``GenServerError`` naming the route, the HTTP status (None when
+the server could not be reached) and the server's message.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class GenServerError(RuntimeError):
+    """A failed call to a generation server."""
+
+    def __init__(self, url: str, route: str, status: int | None, message: str):
+        where = f"HTTP {status}" if status is not None else "unreachable"
+        super().__init__(f"{route} on {url} failed ({where}): {message}")
+        self.url, self.route, self.status, self.message = url, route, status, message
+
+
+class GenClient:
+    """Calls one generation server at ``url`` with the run's bearer ``token``."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = 600.0):
+        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+
+    # --- generation ---------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: list[int] | list[list[int]] | None,
+        sampling_params: dict | None = None,
+        return_logprob: bool = True,
+        rid: str | list[str] | None = None,
+        *,
+        text: str | list[str] | None = None,
+        timeout: float | None = None,
+    ) -> list[dict]:
+        """Generate for one prompt or a list of prompts (or ``text``); always a list, prompt-major, n each."""
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        if text is not None:
+            body["text"] = text
+        if rid is not None:
+            body["rid"] = rid
+        result = self._call("POST", "/generate", body, timeout)
+        return result if isinstance(result, list) else [result]
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
+        """Abort request ``rid``, or every request; they answer with what they have and finish reason abort."""
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        return self._call("POST", "/abort_request", body)
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """Stop generating until ``continue_generation``; mode abort returns in-flight requests as aborted."""
+        return self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        """Resume after ``pause_generation``."""
+        return self._call("POST", "/continue_generation", {})
+
+    # --- weights and cache --------------------------------------------------------------------------------
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | int | None = None, abort_all_requests: bool = True
+    ) -> dict:
+        """Make the server load the HF weights in ``model_path``; raises GenServerError unless it succeeded."""
+        body: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        result = self._call("POST", "/update_weights_from_disk", body)
+        if not result.get("success", False):
+            raise GenServerError(
+                self.url, "/update_weights_from_disk", 200, result.get("message", str(result))
+            )
+        return result
+
+    def flush_cache(self) -> None:
+        """Drop the server's prefix cache."""
+        self._call("POST", "/flush_cache", {})
+
+    # --- state --------------------------------------------------------------------------------------------
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """True when the server answers /health with 200."""
+        try:
+            self._call("GET", "/health", None, timeout)
+        except GenServerError:
+            return False
+        return True
+
+    def wait_healthy(self, timeout: float, interval: float = 0.2) -> None:
+        """Poll /health until it answers 200; TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.health(timeout=max(min(interval * 5, deadline - time.monotonic()), 0.1)):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"generation server {self.url} not healthy after {timeout} s")
+            time.sleep(interval)
+
+    def model_info(self) -> dict:
+        """``{"model_path", "tokenizer_path", "is_generation", "weight_version"}``."""
+        return self._call("GET", "/model_info")
+
+    def server_info(self) -> dict:
+        """Server arguments and state (weight_version, running and queued request counts, stats)."""
+        return self._call("GET", "/server_info")
+
+    # --- transport ----------------------------------------------------------------------------------------
+
+    def _call(self, method: str, route: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        """One HTTP call; the decoded JSON answer (None for an empty body)."""
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + route, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            raise GenServerError(self.url, route, exc.code, _error_message(exc.read())) from exc
+        except (OSError, http.client.HTTPException) as exc:  # URLError and timeouts are OSErrors
+            reason = getattr(exc, "reason", exc)
+            raise GenServerError(self.url, route, None, str(reason)) from exc
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except json.JSONDecodeError:
+            return {"message": raw.decode(errors="replace")}  # SGLang answers some routes with plain text
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an error body: SGLang's ``{"error": {"message"}}``, ``{"message"}``, or the raw text."""
+    text = raw.decode(errors="replace")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip() or "(empty body)"
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return text

@@ -1,0 +1,352 @@
+"""The generation engine: one thread that batches every request's rows over a transformers causal LM.
+
+HTTP threads call ``submit`` (queue rows, get a ``Request`` to wait on) and the control methods (abort, pause,
+continue, weight update); controls run on the engine thread between two forward passes, so the batch and the
+model are only ever touched by that thread. Each sample of a request is a row with its own random stream
+(``sampling_seed`` + sample index, or a seed drawn from the server's seeded generator at submission), so a
+sample does not depend on which requests it was batched with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_hpc.gen import kv
+from areal_hpc.gen.batch import Batch, Row
+from areal_hpc.gen.protocol import RequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's; in_place and retract both keep rows for continue
+CONTROL_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Output:
+    """The result of one sample: what SGLang's response object carries."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict
+    prompt_tokens: int
+    weight_version: str
+    latency: float
+    skip_special_tokens: bool
+
+
+class Request:
+    """A submitted request: its rows (prompt-major, n samples each) and an event set when all are finished."""
+
+    def __init__(self, rid: str, rows: list[Row]):
+        self.rid, self.rows, self.created = rid, rows, time.monotonic()
+        self.pending = len(rows)
+        self.outputs: list[Output] = []
+        self.done = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> list[Output]:
+        """Block until every row is finished (aborted rows included); TimeoutError after ``timeout`` s."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"generation request {self.rid} not finished after {timeout} s")
+        return self.outputs
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """``float32`` on CPU and ``bfloat16`` on GPU unless a dtype name is given."""
+    if name in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+    return dtype
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A Hugging Face causal LM from ``path`` in eval mode on ``device``."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    kv.check_supported(model.config)
+    return model
+
+
+def load_tokenizer(path: str):
+    """The tokenizer at ``path``, or None (then only input_ids are accepted and no text is returned)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer at %s (%s): text input and output disabled", path, exc)
+        return None
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """Every EOS id the model's configs or the tokenizer name."""
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id):
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class Engine:
+    """Batched sampler behind the built-in server; see the module docstring for the threading contract."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tokenizer_path: str | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        seed: int = 0,
+        max_batch_size: int = 64,
+        weight_version: str = "0",
+    ):
+        self.model_path, self.tokenizer_path = str(model_path), str(tokenizer_path or model_path)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.seed, self.max_batch_size, self.weight_version = seed, max_batch_size, str(weight_version)
+        model = load_model(self.model_path, self.device, self.dtype)
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        config = model.config.get_text_config()
+        self.vocab_size, self.context_len = config.vocab_size, config.max_position_embeddings
+        self.eos_ids = eos_token_ids(model, self.tokenizer)
+        pad = getattr(config, "pad_token_id", None)
+        self._batch = Batch(model, self.context_len, pad_id=pad if pad is not None else 0)
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._cond = threading.Condition()
+        self._waiting: deque[Row] = deque()
+        self._requests: dict[str, Request] = {}  # unfinished requests by rid
+        self._controls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._paused = self._stopping = False
+        self._update_lock = threading.Lock()  # one weight load at a time
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Start the engine thread."""
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything still running or queued and end the engine thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine thread runs (after ``stop`` it still finishes the requests it holds)."""
+        return self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine thread serves requests."""
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str | None = None) -> Request:
+        """Queue ``prompts`` x ``params.n`` rows under one request id; RequestError names a bad field."""
+        if not prompts or not all(prompts):
+            raise RequestError("input_ids", "missing input: every prompt needs at least one token")
+        for i, prompt in enumerate(prompts):
+            if max(prompt) >= self.vocab_size:
+                raise RequestError("input_ids", f"token id {max(prompt)} >= vocab size {self.vocab_size}")
+            if len(prompt) >= self.context_len:
+                raise RequestError(
+                    "input_ids", f"prompt {i} has {len(prompt)} tokens, context is {self.context_len}"
+                )
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        with self._cond:
+            if not self.healthy:
+                raise RuntimeError("the generation engine is not running")
+            rid = rid or uuid.uuid4().hex
+            if rid in self._requests:
+                raise RequestError("rid", f"{rid!r} is already in use by an unfinished request")
+            rows = [
+                Row(prompt, params, stop_ids, self._generator(params, k))
+                for k, prompt in enumerate(p for p in prompts for _ in range(params.n))
+            ]
+            request = Request(rid, rows)
+            for row in rows:
+                row.owner = request
+            self._requests[rid] = request
+            self._waiting.extend(rows)
+            self._cond.notify_all()
+        return request
+
+    def _generator(self, params: SamplingParams, sample: int) -> torch.Generator:
+        """The random stream of one sample (called under the lock, so server seeds are drawn in order)."""
+        seed = params.sampling_seed
+        seed = seed + sample if seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+        return torch.Generator().manual_seed(seed)
+
+    # --- controls (run on the engine thread between forward passes) ---------------------------------------
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Finish request ``rid`` (or every request) now with finish reason abort; returns how many."""
+        if abort_all:
+            return self._call(lambda: self._abort_now(lambda req: True, "aborted by abort_all"))
+        return self._call(lambda: self._abort_now(lambda req: req.rid == rid, "aborted by request"))
+
+    def pause(self, mode: str = "abort") -> int:
+        """Stop scheduling; mode abort also finishes in-flight requests (returns how many were aborted)."""
+        if mode not in PAUSE_MODES:
+            raise RequestError("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+
+        def pause_now() -> int:
+            self._paused = True
+            return self._abort_now(lambda req: True, "generation paused") if mode == "abort" else 0
+
+        return self._call(pause_now)
+
+    def resume(self) -> None:
+        """Continue after ``pause``."""
+        self._call(lambda: setattr(self, "_paused", False))
+
+    def update_weights(self, model_path: str, weight_version: Any = None, abort_all: bool = True) -> str:
+        """Load new weights from an HF directory and swap them in between two decode steps; returns the version."""
+        with self._update_lock:
+            model = load_model(str(model_path), self.device, self.dtype)  # slow: done off the engine thread
+
+            def swap() -> str:
+                if abort_all:
+                    self._abort_now(lambda req: True, "aborted for a weight update")
+                self._batch.set_model(model)
+                self.model_path = str(model_path)
+                self.weight_version = _next_version(self.weight_version, weight_version)
+                return self.weight_version
+
+            return self._call(swap)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread at the next step boundary and return its result."""
+        future: Future = Future()
+        with self._cond:
+            if not self.healthy:
+                raise RuntimeError("the generation engine is not running")
+            self._controls.append((fn, future))
+            self._cond.notify_all()
+        return future.result(timeout=CONTROL_TIMEOUT_S)
+
+    def _abort_now(self, match: Callable[[Request], bool], message: str) -> int:
+        with self._cond:
+            queued = [row for row in self._waiting if match(row.owner)]
+            self._waiting = deque(row for row in self._waiting if not match(row.owner))
+        for row in queued:
+            row.abort(message)
+        running = self._batch.abort(lambda row: match(row.owner), message)
+        self._finish(queued + running)
+        return len({id(row.owner) for row in queued + running})
+
+    # --- the engine thread --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._step()
+        except BaseException as exc:  # a crashed engine must fail its requests, not leave them hanging
+            log.exception("generation engine failed")
+            self.error = exc
+        self._run_controls()
+        self._abort_now(lambda req: True, f"engine stopped: {self.error or 'server shutting down'}")
+        with self._cond:
+            controls, self._controls = list(self._controls), deque()
+        for _, future in controls:
+            future.set_exception(RuntimeError("the generation engine stopped"))
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not self._stopping and not self._has_work():
+                self._cond.wait()
+            return not self._stopping
+
+    def _has_work(self) -> bool:
+        return bool(self._controls) or (not self._paused and bool(self._waiting or self._batch.rows))
+
+    def _step(self) -> None:
+        """Run pending controls, admit waiting rows into free slots, then decode one token for the batch."""
+        self._run_controls()
+        with self._cond:
+            if self._paused:
+                return
+            free = max(self.max_batch_size - len(self._batch.rows), 0)
+            admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        finished = self._batch.admit(admitted) if admitted else []
+        finished += self._batch.step()
+        self._finish(finished)
+
+    def _run_controls(self) -> None:
+        with self._cond:
+            controls, self._controls = list(self._controls), deque()
+        for fn, future in controls:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _finish(self, rows: list[Row]) -> None:
+        """Count finished rows against their requests and complete the requests whose rows are all done."""
+        with self._cond:
+            for row in rows:
+                request = row.owner
+                request.pending -= 1
+                if request.pending == 0:
+                    self._complete(request)
+
+    def _complete(self, request: Request) -> None:
+        latency = time.monotonic() - request.created
+        request.outputs = [
+            Output(
+                rid=request.rid if len(request.rows) == 1 else f"{request.rid}-{i}",
+                output_ids=row.output_ids,
+                logprobs=row.logprobs,
+                finish_reason=row.finish_reason,
+                prompt_tokens=len(row.prompt),
+                weight_version=self.weight_version,
+                latency=latency,
+                skip_special_tokens=row.params.skip_special_tokens,
+            )
+            for i, row in enumerate(request.rows)
+        ]
+        del self._requests[request.rid]
+        request.done.set()
+
+    # --- introspection ------------------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        """State and counters for /server_info."""
+        running = {id(row.owner) for row in self._batch.rows}
+        with self._cond:
+            return {
+                "weight_version": self.weight_version,
+                "model_path": self.model_path,
+                "tokenizer_path": self.tokenizer_path,
+                "num_running_reqs": len(running),
+                "num_queued_reqs": len(self._requests) - len(running),
+                "paused": self._paused,
+                "healthy": self.healthy,
+                "stats": dict(self._batch.stats),
+            }
+
+
+def _next_version(current: str, given: Any) -> str:
+    """The version named by the update, else the current one plus one (SGLang versions are strings)."""
+    if given is not None:
+        return str(given)
+    return str(int(current) + 1) if current.isdigit() else "1"

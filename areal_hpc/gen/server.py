@@ -1,0 +1,339 @@
+"""The built-in generation server: SGLang's HTTP API over the batched ``Engine``, stdlib ``http.server`` only.
+
+Routes (JSON bodies; every route but ``/health`` needs ``Authorization: Bearer <token>``)::
+
+    POST /generate                  SGLang's generate (input_ids or text, sampling_params, return_logprob, rid)
+    POST /update_weights_from_disk  {"model_path", "abort_all_requests", "weight_version"}
+    POST /abort_request             {"rid"} or {"abort_all": true}
+    POST /pause_generation          {"mode": "abort" | "in_place" | "retract"}
+    POST /continue_generation
+    POST|GET /flush_cache           no prefix cache here: always succeeds
+    GET  /health                    200 while serving, 503 when the engine stopped
+    GET  /model_info, /server_info  (also under SGLang's older names /get_model_info, /get_server_info)
+
+Usage::
+
+    python -m areal_hpc.gen.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
+        [--address-file A] [--seed S] [--max-batch-size N] [--device cpu] [--dtype float32]
+
+Once it serves, ``{"url", "pid", "host", "port"}`` is written to the address file (tmp + rename); SIGTERM or
+SIGINT stop it cleanly (in-flight requests answer with finish reason abort) and remove that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from areal_hpc.gen.engine import Engine, Request
+from areal_hpc.gen.protocol import RequestError, format_output, parse_generate
+
+log = logging.getLogger("areal_hpc.gen.server")
+
+MAX_BODY_BYTES = 256 * 1024 * 1024
+PUBLIC_ROUTES = {"/health"}
+
+
+class ServerSetupError(RuntimeError):
+    """The server cannot start (bad token file, address file, ...); the message says what to fix."""
+
+
+def read_token(path: str | os.PathLike) -> str:
+    """The bearer token in ``path``; refused unless the file is private to its owner (no group/other bits)."""
+    path = Path(path)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError as exc:
+        raise ServerSetupError(f"cannot read the token file {path}: {exc.strerror}") from exc
+    if mode & 0o077:
+        raise ServerSetupError(
+            f"token file {path} has mode {mode:04o}: it must not be accessible by group or others "
+            f"(run: chmod 600 {path})"
+        )
+    token = path.read_text().strip()
+    if not token:
+        raise ServerSetupError(f"token file {path} is empty")
+    return token
+
+
+def write_address(path: str | os.PathLike, host: str, port: int) -> None:
+    """Write ``{"url", "pid", "host", "port"}`` to ``path`` atomically (a reader never sees half a file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(
+        json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid(), "host": host, "port": port})
+    )
+    os.replace(tmp, path)
+
+
+class App:
+    """The route handlers: each takes the JSON body and returns (HTTP status, JSON payload)."""
+
+    def __init__(self, engine: Engine, server_args: dict):
+        self.engine, self.server_args = engine, server_args
+        tok = engine.tokenizer
+        self.encode = (lambda text: tok(text)["input_ids"]) if tok is not None else None
+        self.decode = (
+            (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)) if tok is not None else None
+        )
+        self.routes: dict[tuple[str, str], Callable[[dict], tuple[int, Any]]] = {
+            ("POST", "/generate"): self.generate,
+            ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
+            ("POST", "/abort_request"): self.abort_request,
+            ("POST", "/pause_generation"): self.pause_generation,
+            ("POST", "/continue_generation"): self.continue_generation,
+            ("POST", "/flush_cache"): self.flush_cache,
+            ("GET", "/flush_cache"): self.flush_cache,
+            ("GET", "/health"): self.health,
+            ("GET", "/health_generate"): self.health,
+            ("GET", "/model_info"): self.model_info,
+            ("GET", "/get_model_info"): self.model_info,
+            ("GET", "/server_info"): self.server_info,
+            ("GET", "/get_server_info"): self.server_info,
+        }
+
+    def generate(self, body: dict) -> tuple[int, Any]:
+        req = parse_generate(body, self.encode)
+        groups = [(req.rid[i], [p]) for i, p in enumerate(req.prompts)] if isinstance(req.rid, list) else []
+        requests: list[Request] = []
+        try:
+            for rid, prompts in groups or [(req.rid, req.prompts)]:
+                requests.append(self.engine.submit(prompts, req.params, rid))
+        except Exception:
+            for request in requests:  # all or nothing
+                self.engine.abort(request.rid)
+            raise
+        outputs = [out for request in requests for out in self._wait(request)]
+        results = [
+            format_output(o, self.decode, req.return_logprob, req.return_text_in_logprobs) for o in outputs
+        ]
+        return 200, results if req.batched else results[0]
+
+    def _wait(self, request: Request) -> list:
+        while not request.done.wait(1.0):
+            if not self.engine.alive:
+                raise RuntimeError(f"the generation engine stopped before request {request.rid} finished")
+        return request.outputs
+
+    def update_weights_from_disk(self, body: dict) -> tuple[int, Any]:
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise RequestError("model_path", "missing: the HF directory holding the new weights")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise RequestError("load_format", f"unsupported here: {body['load_format']!r}")
+        abort_all = _flag(body, "abort_all_requests", False)
+        try:
+            version = self.engine.update_weights(path, body.get("weight_version"), abort_all=abort_all)
+        except Exception as exc:  # whatever the loader raises, the caller gets it as the message
+            log.warning("weight update from %s failed: %s", path, exc)
+            return 400, {"success": False, "message": f"failed to load weights from {path}: {exc}"}
+        return 200, {"success": True, "message": f"weights loaded from {path}", "weight_version": version}
+
+    def abort_request(self, body: dict) -> tuple[int, Any]:
+        rid, abort_all = body.get("rid"), _flag(body, "abort_all", False)
+        if not abort_all and (not isinstance(rid, str) or not rid):
+            raise RequestError("rid", "missing: give the request id, or abort_all: true")
+        return 200, {"success": True, "aborted": self.engine.abort(rid, abort_all=abort_all)}
+
+    def pause_generation(self, body: dict) -> tuple[int, Any]:
+        aborted = self.engine.pause(body.get("mode", "abort"))
+        return 200, {"success": True, "message": "generation paused", "aborted": aborted}
+
+    def continue_generation(self, body: dict) -> tuple[int, Any]:
+        self.engine.resume()
+        return 200, {"success": True, "message": "generation continued"}
+
+    def flush_cache(self, body: dict) -> tuple[int, Any]:
+        return 200, {"success": True, "message": "cache flushed (the built-in server keeps no prefix cache)"}
+
+    def health(self, body: dict) -> tuple[int, Any]:
+        return (
+            (200, {}) if self.engine.healthy else (503, {"error": {"message": "the engine is not running"}})
+        )
+
+    def model_info(self, body: dict) -> tuple[int, Any]:
+        engine = self.engine
+        return 200, {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.tokenizer_path,
+            "is_generation": True,
+            "weight_version": engine.weight_version,
+        }
+
+    def server_info(self, body: dict) -> tuple[int, Any]:
+        return 200, {**self.server_args, **self.engine.info(), "backend": "areal_hpc-builtin"}
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Dispatches to ``App`` routes: bearer-token check, JSON in and out, errors as JSON naming the field."""
+
+    server: GenHTTPServer
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        route = self.server.app.routes.get((method, path))
+        if route is None:
+            known = any(p == path for _, p in self.server.app.routes)
+            return self._error(405 if known else 404, f"{method} {path} is not a route of this server")
+        if path not in PUBLIC_ROUTES and not self._authorized():
+            return self._error(401, "missing or wrong bearer token (Authorization: Bearer <run secret>)")
+        try:
+            status, payload = route(self._body() if method == "POST" else {})
+        except RequestError as exc:
+            return self._error(400, str(exc), exc.field)
+        except Exception as exc:
+            log.exception("%s %s failed", method, path)
+            return self._error(500, f"{type(exc).__name__}: {exc}")
+        self._send(status, payload)
+
+    def _authorized(self) -> bool:
+        header = self.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.server.token)
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise RequestError(None, f"body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
+        raw = self.rfile.read(length) if length else b""
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(None, f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise RequestError(None, "the body must be a JSON object")
+        return body
+
+    def _error(self, status: int, message: str, field: str | None = None) -> None:
+        self._send(status, {"error": {"message": message, "field": field, "code": status}})
+
+    def _send(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class GenHTTPServer(ThreadingHTTPServer):
+    """One thread per connection; the App and the token travel with the server object."""
+
+    daemon_threads = True
+    request_queue_size = 1024  # listen backlog: a rollout opens many connections at once (default 5)
+
+    def __init__(self, address: tuple[str, int], app: App, token: str):
+        super().__init__(address, Handler)
+        self.app, self.token = app, token.encode()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m areal_hpc.gen.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="Hugging Face model directory")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model path)")
+    p.add_argument(
+        "--token-file", required=True, help="file holding the bearer token (the run's secret, 0600)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
+    p.add_argument("--address-file", default=None, help="where to write {url, pid} once serving")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples' random streams")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most rows decoded together")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (CPU runs share cores)")
+    p.add_argument("--weight-version", default="0", help="weight_version before any update (SGLang: default)")
+    return p.parse_args(argv)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Load the model, bind, announce the address and serve until SIGTERM/SIGINT."""
+    token = read_token(args.token_file)  # before the slow model load: a bad secret fails fast
+    if args.device.startswith("cuda"):
+        # cuDNN attention builds a plan per new KV length: ~30 ms per decode step on an H200 (10x slower).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.device == "cpu" and args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    engine = Engine(
+        args.model_path, tokenizer_path=args.tokenizer_path, device=args.device, dtype=args.dtype,
+        seed=args.seed, max_batch_size=args.max_batch_size, weight_version=args.weight_version,
+    ).start()  # fmt: skip
+    server_args = {k: v for k, v in vars(args).items() if k != "token_file"}
+    server_args.update(dtype=str(engine.dtype).removeprefix("torch."), context_length=engine.context_len)
+    httpd = GenHTTPServer((args.host, args.port), App(engine, server_args), token)
+    host = socket.gethostname() if args.host in ("0.0.0.0", "") else args.host  # reachable from other nodes
+    port = httpd.server_address[1]
+    server_args.update(host=host, port=port)
+    stop = lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        if args.address_file:
+            write_address(args.address_file, host, port)
+        log.info("serving %s at http://%s:%d (pid %d)", args.model_path, host, port, os.getpid())
+        httpd.serve_forever(poll_interval=0.2)
+    finally:
+        httpd.server_close()
+        engine.stop()
+        _remove_address(args.address_file)
+        log.info("stopped")
+
+
+def _remove_address(path: str | None) -> None:
+    """Remove the address file if it is still ours (a restarted server may have replaced it)."""
+    if not path:
+        return
+    try:
+        if json.loads(Path(path).read_text()).get("pid") == os.getpid():
+            Path(path).unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        serve(args)
+    except ServerSetupError as exc:
+        sys.exit(f"gen server: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The generation engine in-process: sampling, continuous batching, stop rules, seeds (areal_hpc/gen/)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from areal_hpc.gen.engine import Engine
+from areal_hpc.gen.protocol import RequestError, SamplingParams
+from areal_hpc.gen.sampling import filter_top_k_top_p, sample_tokens
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir), seed=3, max_batch_size=8).start()
+    yield engine
+    engine.stop()
+
+
+def run(engine: Engine, prompts, rid=None, **params) -> list:
+    return engine.submit(prompts, SamplingParams(**params), rid).wait(timeout=60)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.output_ids for o in outputs]
+
+
+def wait_for(condition, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+# --- sampling ------------------------------------------------------------------------------------------------
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    kept = filter_top_k_top_p(logits, torch.tensor([2, 5, 5]), torch.tensor([1.0, 0.6, 1.0])).isfinite()
+    assert kept.tolist() == [[True, True, False, False, False], [True, True, False, False, False], [True] * 5]
+
+
+def test_sample_tokens_greedy_sampled_and_banned():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    banned = torch.zeros(3, 50, dtype=torch.bool)
+    banned[2, logits[2].argmax()] = True
+    temperature = torch.tensor([0.0, 0.7, 0.0])
+    toks, lps = sample_tokens(logits, temperature, torch.ones(3), torch.tensor([50, 50, 50]), gens, banned)
+    assert toks[0] == logits[0].argmax() and toks[2] == logits[2].masked_fill(banned[2], -1e9).argmax()
+    expected = [logits[0].log_softmax(-1)[toks[0]], (logits[1] / 0.7).log_softmax(-1)[toks[1]]]
+    expected.append(logits[2].log_softmax(-1)[toks[2]])  # the ban restricts the draw, not the logprob
+    assert torch.allclose(lps, torch.stack(expected))
+
+
+def test_sampling_follows_the_distribution_and_its_seed():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3)
+    draw = lambda seed: sample_tokens(  # noqa: E731
+        logits, torch.ones(4000), torch.ones(4000), torch.full((4000,), 3),
+        [torch.Generator().manual_seed(seed + i) for i in range(4000)],
+    )[0]  # fmt: skip
+    freq = torch.bincount(draw(0), minlength=3) / 4000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+    assert torch.equal(draw(0), draw(0)) and not torch.equal(draw(0), draw(1))
+
+
+# --- engine --------------------------------------------------------------------------------------------------
+
+
+def test_rows_joining_a_running_batch_decode_as_alone(engine):
+    a, b = [5, 6, 7, 8, 9, 10, 11], [40, 41]
+    alone = [tokens(run(engine, [p], **GREEDY))[0] for p in (a, b)]
+    before = dict(engine.info()["stats"])
+    first = engine.submit([a], SamplingParams(**{**GREEDY, "max_new_tokens": 20}))
+    wait_for(lambda: len(first.rows[0].output_ids) >= 3)
+    engine.pause("in_place")  # hold the batch so the second request surely joins it mid-generation
+    second = engine.submit([b], SamplingParams(**GREEDY))
+    engine.resume()
+    out_a, out_b = first.wait(60)[0].output_ids, second.wait(60)[0].output_ids
+    assert out_a[:12] == alone[0] and out_b == alone[1]
+    stats = engine.info()["stats"]
+    assert stats["max_requests_per_forward"] >= 2 and stats["prefill_passes"] - before["prefill_passes"] == 2
+
+
+def test_n_samples_share_one_prefill_and_a_seed_fixes_them(engine):
+    params = {"max_new_tokens": 6, "n": 3, "sampling_seed": 11, "temperature": 1.0, "ignore_eos": True}
+    before = engine.info()["stats"]["prefill_passes"]
+    alone = tokens(run(engine, [[3, 4, 5]], **params))
+    assert engine.info()["stats"]["prefill_passes"] == before + 1
+    assert len({tuple(t) for t in alone}) > 1  # the samples differ
+    crowd = engine.submit([[9, 9, 9, 9]], SamplingParams(max_new_tokens=20, n=4))
+    again = tokens(run(engine, [[3, 4, 5]], **params))
+    crowd.wait(60)
+    assert again == alone  # same seed, other batch mates: same samples
+
+
+def test_stop_token_min_new_tokens_and_zero_budget(engine):
+    prompt = [20, 21, 22]
+    greedy = tokens(run(engine, [prompt], **GREEDY))[0]
+    stop = greedy[1]
+    out = run(engine, [prompt], **{**GREEDY, "stop_token_ids": [stop]})[0]
+    assert out.output_ids == greedy[: greedy.index(stop) + 1]
+    assert out.finish_reason == {"type": "stop", "matched": stop}
+    late = run(engine, [prompt], **{**GREEDY, "stop_token_ids": [stop], "min_new_tokens": 5})[0]
+    assert stop not in late.output_ids[:5] and len(late.output_ids) >= 5
+    empty = run(engine, [prompt], max_new_tokens=0)[0]
+    assert empty.output_ids == [] and empty.finish_reason == {"type": "length", "length": 0}
+
+
+def test_eos_ends_a_row_unless_ignored(engine):
+    eos = min(engine.eos_ids)
+    prompt = [30, 31]
+    first = tokens(run(engine, [prompt], **{**GREEDY, "max_new_tokens": 1}))[0][0]
+    engine.eos_ids = frozenset({first})  # pretend the greedy first token is EOS
+    try:
+        out = run(engine, [prompt], temperature=0.0, max_new_tokens=5)[0]
+        ignored = run(engine, [prompt], **{**GREEDY, "max_new_tokens": 5})[0]
+    finally:
+        engine.eos_ids = frozenset({eos})
+    assert out.output_ids == [first] and out.finish_reason == {"type": "stop", "matched": first}
+    assert len(ignored.output_ids) == 5 and ignored.finish_reason["type"] == "length"
+
+
+def test_submit_rejects_bad_input(engine):
+    with pytest.raises(RequestError, match="input_ids: token id 5000"):
+        engine.submit([[5000]], SamplingParams())
+    with pytest.raises(RequestError, match="missing input"):
+        engine.submit([[]], SamplingParams())
+    held = engine.submit([[1, 2]], SamplingParams(max_new_tokens=200, ignore_eos=True), rid="dup")
+    with pytest.raises(RequestError, match="rid: 'dup' is already in use"):
+        engine.submit([[1, 2]], SamplingParams(), rid="dup")
+    assert engine.abort("dup") == 1 and held.wait(30)[0].finish_reason["type"] == "abort"
+
+
+def test_sampling_params_validation_names_the_field():
+    with pytest.raises(RequestError, match=r"sampling_params.temperature: must be a number >= 0.0"):
+        SamplingParams.from_dict({"temperature": -1})
+    with pytest.raises(RequestError, match=r"sampling_params.top_k: must be -1"):
+        SamplingParams.from_dict({"top_k": 0})
+    with pytest.raises(RequestError, match=r"sampling_params.bogus: unsupported"):
+        SamplingParams.from_dict({"bogus": 1})
+    assert SamplingParams.from_dict({"max_new_tokens": None, "stop_token_ids": [2]}).stop_token_ids == (2,)

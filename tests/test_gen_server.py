@@ -1,0 +1,268 @@
+"""The built-in generation server as a real subprocess, driven by GenClient over SGLang's HTTP API."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_hpc.gen.client import GenClient, GenServerError
+from areal_hpc.gen.server import ServerSetupError, main, read_token
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "test-secret-token"
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """A server subprocess on the tiny model; on teardown SIGTERM must stop it cleanly."""
+    run_dir = tmp_path_factory.mktemp("run")
+    secret, address = run_dir / "secret", run_dir / "gen-0.json"
+    secret.write_text(TOKEN)
+    secret.chmod(0o600)
+    cmd = [sys.executable, "-m", "areal_hpc.gen.server", "--model-path", str(tiny_model_dir)]
+    cmd += [
+        "--token-file",
+        str(secret),
+        "--address-file",
+        str(address),
+        "--seed",
+        "1",
+        "--max-batch-size",
+        "16",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 90
+    while not address.exists():
+        assert proc.poll() is None, f"server exited early:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "server did not write its address file"
+        time.sleep(0.1)
+    yield proc, json.loads(address.read_text()), address
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, proc.stdout.read()
+    assert not address.exists(), "a clean shutdown removes the address file"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> GenClient:
+    client = GenClient(server[1]["url"], TOKEN, timeout=60)
+    client.wait_healthy(timeout=30)
+    return client
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, list]:
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(fn(*args, **kwargs)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def wait_for(condition, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def wait_running(client: GenClient) -> None:
+    """Until a request runs and has generated a few tokens."""
+    start = client.server_info()["stats"].get("generated_tokens", 0)
+    wait_for(lambda: (info := client.server_info())["num_running_reqs"] == 1
+             and info["stats"]["generated_tokens"] > start + 3)  # fmt: skip
+
+
+def test_address_file_and_info(server, client):
+    proc, address, _ = server
+    assert address["pid"] == proc.pid and address["url"].startswith("http://127.0.0.1:")
+    info = client.model_info()
+    assert info["is_generation"] and info["weight_version"] == "0"
+    assert Path(info["model_path"]).name == "model" and info["tokenizer_path"] == info["model_path"]
+    assert client.server_info()["max_batch_size"] == 16
+
+
+def test_generate_from_input_ids_and_from_text(client, tiny_tokenizer):
+    text = "What is 3 + 4?"
+    by_text = client.generate(None, GREEDY, text=text)
+    by_ids = client.generate(tiny_tokenizer(text)["input_ids"], GREEDY)
+    assert len(by_text) == len(by_ids) == 1 and by_text[0]["output_ids"] == by_ids[0]["output_ids"]
+    out = by_ids[0]
+    meta = out["meta_info"]
+    assert out["text"] == tiny_tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert meta["prompt_tokens"] == len(tiny_tokenizer(text)["input_ids"]) and meta["completion_tokens"] == 6
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+
+
+def test_n_samples_of_a_list_of_prompts_come_prompt_major(client):
+    params = {"max_new_tokens": 3, "n": 3, "temperature": 1.0}
+    outs = client.generate([[5, 6], [7, 8, 9, 10]], params, return_logprob=False, rid="batch")
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [2, 2, 2, 4, 4, 4]
+    assert "output_token_logprobs" not in outs[0]["meta_info"]
+    assert [o["meta_info"]["id"] for o in outs] == [f"batch-{k}" for k in range(6)]
+
+
+def test_finish_reason_stop_on_a_stop_token(client):
+    greedy = client.generate([11, 12, 13], GREEDY)[0]["output_ids"]
+    out = client.generate([11, 12, 13], {**GREEDY, "stop_token_ids": [greedy[2]]})[0]
+    assert out["output_ids"] == greedy[: greedy.index(greedy[2]) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": greedy[2]}
+
+
+def test_logprobs_equal_a_forward_pass_at_the_same_temperature(client, model):
+    prompt, temperature = [4, 8, 15, 16, 23, 42], 0.7
+    params = {"max_new_tokens": 8, "n": 2, "temperature": temperature, "top_k": 50, "ignore_eos": True}
+    for out in client.generate(prompt, params):
+        ids = torch.tensor([prompt + out["output_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
+        expected = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, expected, atol=1e-4)
+
+
+def test_concurrent_requests_share_batches_and_match_one_at_a_time(client):
+    prompts = [[5, 6, 7], [100, 200, 300, 400, 500], [9], [60, 61, 62, 63]]
+    alone = [client.generate(p, GREEDY)[0]["output_ids"] for p in prompts]
+    before = client.server_info()["stats"]
+    client.pause_generation()  # queue all four, then release them together
+    threads = [in_thread(client.generate, p, GREEDY) for p in prompts]
+    wait_for(lambda: client.server_info()["num_queued_reqs"] == 4)
+    client.continue_generation()
+    for thread, _ in threads:
+        thread.join(60)
+    assert [box[0][0]["output_ids"] for _, box in threads] == alone
+    stats = client.server_info()["stats"]
+    assert stats["prefill_passes"] - before["prefill_passes"] == 1  # one shared prefill
+    assert stats["decode_steps"] - before["decode_steps"] == GREEDY["max_new_tokens"] - 1
+    assert stats["max_requests_per_forward"] >= 4
+
+
+def test_abort_returns_partial_output(client):
+    thread, box = in_thread(client.generate, [1, 2, 3], LONG, rid="to-abort")
+    wait_running(client)
+    assert client.abort_request("to-abort")["aborted"] == 1
+    thread.join(30)
+    out = box[0][0]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["id"] == "to-abort"
+    assert 0 < len(out["output_ids"]) < LONG["max_new_tokens"]
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+
+
+def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(client):
+    running, first = in_thread(client.generate, [1, 2, 3], LONG)
+    wait_running(client)
+    assert client.pause_generation()["aborted"] == 1
+    running.join(30)
+    assert first[0][0]["meta_info"]["finish_reason"]["type"] == "abort"
+    held, second = in_thread(client.generate, [4, 5], GREEDY)
+    wait_for(lambda: client.server_info()["num_queued_reqs"] == 1)
+    time.sleep(0.3)
+    assert held.is_alive() and client.server_info()["paused"]
+    client.continue_generation()
+    held.join(30)
+    assert second[0][0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_update_weights_from_disk_changes_outputs_and_version(client, model, tiny_model_dir, tmp_path):
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    perturbed.save_pretrained(tmp_path / "v5")
+    before = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
+
+    running, box = in_thread(client.generate, [2, 7, 1], LONG)
+    wait_running(client)
+    result = client.update_weights_from_disk(str(tmp_path / "v5"), weight_version=5)
+    running.join(30)
+    assert result["success"] and box[0][0]["meta_info"]["finish_reason"]["type"] == "abort"
+    after = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
+    assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "5"
+    assert client.model_info()["weight_version"] == "5"
+
+    with pytest.raises(GenServerError, match=r"HTTP 400.*failed to load weights"):
+        client.update_weights_from_disk(str(tmp_path / "missing"), weight_version=6)
+    client.update_weights_from_disk(str(tiny_model_dir), weight_version=6)
+    again = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
+    assert again["output_ids"] == before["output_ids"] and again["meta_info"]["weight_version"] == "6"
+
+
+def test_every_route_but_health_needs_the_token(client):
+    for token in (None, "wrong-token"):
+        other = GenClient(client.url, token, timeout=10)
+        assert other.health()
+        for call in (other.model_info, other.server_info, lambda c=other: c.generate([1], GREEDY)):
+            with pytest.raises(GenServerError, match="HTTP 401") as err:
+                call()
+            assert err.value.status == 401
+
+
+def post_raw(client: GenClient, route: str, data: bytes) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    request = urllib.request.Request(client.url + route, data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"{not json", None),
+        (b'{"sampling_params": {"max_new_tokens": 2}}', "input_ids"),
+        (b'{"input_ids": [1], "sampling_params": {"temperature": -1}}', "sampling_params.temperature"),
+        (
+            b'{"input_ids": [1], "sampling_params": {"frequency_penalty": 1}}',
+            "sampling_params.frequency_penalty",
+        ),
+        (b'{"input_ids": [1], "stream": true}', "stream"),
+        (b'{"input_ids": "abc"}', "input_ids"),
+    ],
+)
+def test_bad_requests_answer_400_naming_the_field(client, body, field):
+    status, answer = post_raw(client, "/generate", body)
+    assert status == 400 and answer["error"]["field"] == field
+    assert (field or "not valid JSON") in answer["error"]["message"]
+
+
+def test_unknown_route_and_missing_rid(client):
+    assert post_raw(client, "/nope", b"{}")[0] == 404
+    status, answer = post_raw(client, "/abort_request", b"{}")
+    assert status == 400 and answer["error"]["field"] == "rid"
+    assert client.flush_cache() is None
+
+
+def test_token_file_must_be_private(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("abc\n")
+    secret.chmod(0o644)
+    with pytest.raises(ServerSetupError, match=r"mode 0644.*chmod 600"):
+        read_token(secret)
+    with pytest.raises(SystemExit, match="must not be accessible by group or others"):
+        main(["--model-path", "unused", "--token-file", str(secret)])
+    secret.chmod(0o600)
+    assert read_token(secret) == "abc"
+    os.chmod(secret, 0o640)
+    with pytest.raises(ServerSetupError):
+        read_token(secret)
