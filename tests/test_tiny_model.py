@@ -184,3 +184,15 @@ def test_toy_data_cli_writes_both_splits(tmp_path, capsys):
     assert (len(lines["train"]), len(lines["test"])) == (20, 5)
     assert json.loads(lines["test"][0])["query_id"] == "toy-test-00000"
     assert "train.jsonl" in capsys.readouterr().out
+
+
+def test_easy_splits_hold_every_single_digit_question_once():
+    from tools.make_toy_data import make_easy_splits
+
+    train, test = make_easy_splits(n_test=50, seed=1)
+    prompts = [r["prompt"] for r in train + test]
+    assert (len(train), len(test), len(set(prompts))) == (250, 50, 300)
+    assert make_easy_splits(n_test=50, seed=1) == (train, test)
+    for record in train[:20]:
+        expression = record["prompt"].removeprefix("What is ").removesuffix("?")
+        assert record["solutions"] == [f"\\boxed{{{eval(expression)}}}"]

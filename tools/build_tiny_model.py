@@ -10,6 +10,7 @@ Output layout (``--out``, default ``.cache/tiny``)::
                                       pad <|endoftext|>
     OUT/data/train.jsonl              toy arithmetic questions (tools/make_toy_data.py)
     OUT/data/test.jsonl               held-out questions, disjoint from train
+    OUT/data/easy/{train,test}.jsonl  every single-digit question, split (the CPU demo's data)
     OUT/MANIFEST.json                 seed, build parameters, builder fingerprint (hash of this code and
                                       the library versions), size and sha256 of every file above
 
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 if __package__ in (None, ""):  # run as a script: make the `tools` namespace importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.make_toy_data import make_toy_splits, write_jsonl  # noqa: E402
+from tools.make_toy_data import make_easy_splits, make_toy_splits, write_jsonl  # noqa: E402
 
 MANIFEST = "MANIFEST.json"
 
@@ -79,6 +80,7 @@ DEFAULT_PARAMS: dict = {
     "max_position_embeddings": 2048,
     "n_train": 1000,
     "n_test": 100,
+    "n_easy_test": 50,
 }
 
 
@@ -301,6 +303,9 @@ def _build_into(root: Path, seed: int, params: dict) -> None:
     train, test = make_toy_splits(params["n_train"], params["n_test"], seed)
     write_jsonl(root / "data" / "train.jsonl", train)
     write_jsonl(root / "data" / "test.jsonl", test)
+    easy_train, easy_test = make_easy_splits(params["n_easy_test"], seed)
+    write_jsonl(root / "data" / "easy" / "train.jsonl", easy_train)
+    write_jsonl(root / "data" / "easy" / "test.jsonl", easy_test)
 
     model_dir = root / "model"
     model_dir.mkdir(parents=True)

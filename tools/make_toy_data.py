@@ -115,6 +115,21 @@ def make_toy_splits(n_train: int, n_test: int, seed: int) -> tuple[list[dict], l
     return train, test
 
 
+def make_easy_splits(n_test: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Every easy question (one operation on single digits), shuffled and split into (train, test).
+
+    The CPU demo learns on these: a tiny model can learn them in minutes, and the held-out split shows
+    whether it learned the operations rather than the answers.
+    """
+    questions = [(f"{a} {op} {b}", _APPLY[op](a, b)) for op in "+-*" for a in range(10) for b in range(10)]
+    if not 0 <= n_test <= len(questions):
+        raise ValueError(f"n_test must be in 0..{len(questions)}, got {n_test!r}")
+    random.Random(seed).shuffle(questions)
+    test = [_record(f"easy-test-{i:05d}", "easy", *q) for i, q in enumerate(questions[:n_test])]
+    train = [_record(f"easy-train-{i:05d}", "easy", *q) for i, q in enumerate(questions[n_test:])]
+    return train, test
+
+
 def write_jsonl(path: Path, records: Iterable[dict]) -> None:
     """Write records one JSON object per line, through a temporary file renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
