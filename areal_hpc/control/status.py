@@ -1,0 +1,85 @@
+"""Experiment status in ``<run_dir>/status.json``: RUNNING, then COMPLETE or ABORTED, which are final.
+
+``{"state": ..., "reason": ..., "role": ..., "time": <unix time>, "host": ...}``. Leaving a final state needs
+``reset=True`` (recovery). ``abort`` keeps the first cause when several roles fail one after another. The
+check and the write are not one atomic step; the controller is the usual writer and other roles only abort.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from areal_hpc.control import fsio
+
+RUNNING = "RUNNING"
+COMPLETE = "COMPLETE"
+ABORTED = "ABORTED"
+STATES = (RUNNING, COMPLETE, ABORTED)
+FINAL_STATES = (COMPLETE, ABORTED)
+
+
+class StatusError(RuntimeError):
+    """A status change that is not allowed (leaving a final state without reset, an unknown state)."""
+
+
+@dataclass(frozen=True)
+class Status:
+    """The state of an experiment, why, which role set it and when (unix time)."""
+
+    state: str
+    reason: str = ""
+    role: str = ""
+    time: float = 0.0
+    host: str = ""
+
+    @property
+    def final(self) -> bool:
+        """True for COMPLETE and ABORTED."""
+        return self.state in FINAL_STATES
+
+
+def status_path(run_dir: str | os.PathLike) -> Path:
+    """The status file of a run."""
+    return Path(run_dir) / "status.json"
+
+
+def get_status(run_dir: str | os.PathLike) -> Status | None:
+    """The current status, or None before anything was written."""
+    data = fsio.read_json(status_path(run_dir))
+    if data is None:
+        return None
+    return Status(**{k: v for k, v in data.items() if k in Status.__dataclass_fields__})
+
+
+def set_status(
+    run_dir: str | os.PathLike, state: str, *, reason: str = "", role: str = "", reset: bool = False
+) -> Status:
+    """Write ``state``; raises StatusError when the run is already COMPLETE or ABORTED, unless ``reset``."""
+    if state not in STATES:
+        raise StatusError(f"unknown experiment state {state!r}; use one of {', '.join(STATES)}")
+    current = get_status(run_dir)
+    if current is not None and current.final and not reset:
+        raise StatusError(
+            f"{status_path(run_dir)}: cannot set {state}: the run is already {current.state} "
+            f"(by {current.role or '?'}: {current.reason or 'no reason'}); pass reset=True to recover"
+        )
+    new = Status(state, reason, role, time.time(), socket.gethostname())
+    fsio.write_json(status_path(run_dir), asdict(new), fsync=True)
+    return new
+
+
+def abort(run_dir: str | os.PathLike, reason: str, role: str) -> Status:
+    """Mark the run ABORTED by ``role`` for ``reason``; if it is already final, keep that and return it."""
+    current = get_status(run_dir)
+    if current is not None and current.final:
+        return current
+    return set_status(run_dir, ABORTED, reason=reason, role=role)
+
+
+def complete(run_dir: str | os.PathLike, role: str, reason: str = "finished") -> Status:
+    """Mark the run COMPLETE; raises StatusError if it was already final."""
+    return set_status(run_dir, COMPLETE, reason=reason, role=role)
