@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -46,6 +47,17 @@ def cmd_config_options(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(ns: argparse.Namespace) -> int:
+    from areal_hpc.launch.local import run_local
+    from areal_hpc.launch.rundir import default_trial_name
+
+    paths, overrides = split_args(ns.args)
+    cfg = load_config(paths, overrides)
+    if cfg.trial_name is None:
+        cfg = dataclasses.replace(cfg, trial_name=default_trial_name())
+    return run_local(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal-hpc", description="Asynchronous RL for LLM reasoning on Slurm clusters."
@@ -63,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     docs.set_defaults(func=cmd_config_docs)
     options = config_verbs.add_parser("options", help="list every option with its default and meaning")
     options.set_defaults(func=cmd_config_options)
+    run = verbs.add_parser("run", help="run every role of a config as local processes (CPU or one node)")
+    run.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="YAML files, then overrides")
+    run.set_defaults(func=cmd_run)
     return parser
 
 

@@ -195,6 +195,11 @@ class LoggingConfig:
 class ExperimentConfig:
     experiment_name: str = opt("areal-hpc", "Name of the experiment; no '_' allowed.")
     trial_name: str | None = opt(None, "Name of this run of the experiment; null: 'run<timestamp>'.")
+    experiment_type: str = opt(
+        "ppo",
+        "ppo: RL with PPO/GRPO; sft: supervised warm-up on the reference solutions.",
+        choices=("ppo", "sft"),
+    )
     mode: str = opt(
         "local", "Where the roles run: local processes or a Slurm job.", choices=("local", "slurm")
     )

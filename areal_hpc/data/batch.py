@@ -139,3 +139,9 @@ def gather(refs: Mapping[str, Sequence[tuple[str, int]]]) -> dict[str, np.ndarra
         raise BatchError(f"gather needs at least one per-token key, got {sorted(refs)}")
     out[CU] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return out
+
+
+def read_keys(path: str | Path) -> list[str]:
+    """The keys a batch file holds."""
+    with h5py.File(path, "r") as f:
+        return list(f.keys())

@@ -1,0 +1,27 @@
+"""Held-out greedy accuracy during training: one greedy answer per prompt, scored by the math verifier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+
+def greedy_accuracy(clients: Sequence, prompts: Sequence, verifier, max_new_tokens: int) -> float:
+    """Fraction of prompts whose greedy answer is correct; prompts are spread over the servers."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "n": 1}
+    chunks = [list(range(i, len(prompts), len(clients))) for i in range(len(clients))]
+
+    def answer(chunk: list[int], client) -> list[str]:
+        if not chunk:
+            return []
+        responses = client.generate([list(prompts[i].input_ids) for i in chunk], params)
+        return [r["text"] for r in responses]
+
+    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+        texts = list(pool.map(answer, chunks, clients))
+    items = [
+        (text, list(prompts[i].solutions))
+        for chunk, part in zip(chunks, texts, strict=True)
+        for i, text in zip(chunk, part, strict=True)
+    ]
+    return sum(verifier.verify_batch(items)) / max(len(items), 1)

@@ -1,0 +1,123 @@
+"""Synchronous rollout of one step: prompts -> generation servers -> math reward -> a packed batch file.
+
+Each prompt's group_size answers go to one server (prefix-cache reuse, as the original's manager does),
+prompts are spread round-robin over the servers, and all requests of a step are in flight at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.data.batch import write_batch
+from areal_hpc.data.dataset import PromptSample
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One generated answer as the server returned it."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str
+    truncated: bool  # finished by length (or abort) rather than a stop token
+    version: int
+
+
+def sampling_params(cfg: ExperimentConfig) -> dict:
+    """SGLang sampling_params of the training answers."""
+    gen = cfg.ppo.gen
+    return {
+        "max_new_tokens": gen.max_new_tokens,
+        "min_new_tokens": gen.min_new_tokens,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "top_k": gen.top_k,
+        "n": cfg.group_size,
+    }
+
+
+def parse_answer(response: dict) -> Answer:
+    """An Answer from one /generate response object."""
+    meta = response["meta_info"]
+    logprobs = [float(item[0]) for item in meta["output_token_logprobs"]]
+    output_ids = list(response["output_ids"])
+    if len(logprobs) != len(output_ids):
+        raise ValueError(f"server returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
+    version = meta.get("weight_version") or 0
+    return Answer(
+        output_ids, logprobs, response["text"], meta["finish_reason"]["type"] != "stop", int(version)
+    )
+
+
+def generate_groups(clients: Sequence, prompts: Sequence[PromptSample], params: dict) -> list[list[Answer]]:
+    """group_size answers per prompt, all prompts in flight at once, prompt i on server i % len(servers)."""
+
+    def one(i: int) -> list[Answer]:
+        responses = clients[i % len(clients)].generate([list(prompts[i].input_ids)], params)
+        return [parse_answer(r) for r in responses]
+
+    with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def scores(success: np.ndarray, cfg: ExperimentConfig) -> np.ndarray:
+    """The original's reward: ((success - 0.5) * 2 - bias) * scaling."""
+    ppo = cfg.ppo
+    return (((success - 0.5) * 2 - ppo.reward_output_bias) * ppo.reward_output_scaling).astype(np.float32)
+
+
+def pack_groups(prompts: Sequence[PromptSample], groups: list[list[Answer]], success: np.ndarray) -> dict:
+    """Packed arrays of prompt + answer sequences (batch keys of docs/architecture.md), without rewards."""
+    ids, prompt_mask, logprobs, lengths = [], [], [], []
+    no_eos, group_ids, versions = [], [], []
+    for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
+        for answer in answers:
+            p = list(prompt.input_ids)
+            ids += p + answer.output_ids
+            prompt_mask += [True] * len(p) + [False] * len(answer.output_ids)
+            logprobs += [0.0] * len(p) + answer.logprobs
+            lengths.append(len(p) + len(answer.output_ids))
+            no_eos.append(answer.truncated)
+            group_ids.append(g)
+            versions.append(answer.version)
+    return {
+        "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "packed_input_ids": np.asarray(ids, dtype=np.int64),
+        "prompt_mask": np.asarray(prompt_mask, dtype=bool),
+        "packed_logprobs": np.asarray(logprobs, dtype=np.float32),
+        "seq_no_eos_mask": np.asarray(no_eos, dtype=bool),
+        "group_ids": np.asarray(group_ids, dtype=np.int64),
+        "version_start": np.asarray(versions, dtype=np.int64),
+        "version_end": np.asarray(versions, dtype=np.int64),
+        "success": success.astype(np.float32),
+    }
+
+
+def rollout_step(
+    clients: Sequence, verifier, prompts: Sequence[PromptSample], cfg: ExperimentConfig, path: Path
+) -> tuple[Path, dict]:
+    """Generate, score and write the step's batch file; returns its path and rollout statistics."""
+    start = time.monotonic()
+    groups = generate_groups(clients, prompts, sampling_params(cfg))
+    gen_secs = time.monotonic() - start
+    items = [(a.text, list(p.solutions)) for p, answers in zip(prompts, groups, strict=True) for a in answers]
+    success = np.asarray(verifier.verify_batch(items), dtype=np.float32)
+    arrays = pack_groups(prompts, groups, success)
+    arrays["rewards"] = scores(success, cfg)
+    write_batch(path, arrays, {"n_prompts": len(prompts), "group_size": cfg.group_size})
+    answer_lens = [len(a.output_ids) for answers in groups for a in answers]
+    stats = {
+        "rollout/answer_len/avg": float(np.mean(answer_lens)),
+        "rollout/no_eos_ratio": float(arrays["seq_no_eos_mask"].mean()),
+        "rollout/gen_tokens_per_s": sum(answer_lens) / max(gen_secs, 1e-9),
+        "timeperf/actor_gen": gen_secs,
+        "timeperf/rew_inf": time.monotonic() - start - gen_secs,
+    }
+    return path, stats

@@ -1,0 +1,140 @@
+"""`areal-hpc run`: every role of a run as a local process, supervised until the run completes or fails.
+
+Roles meet only through the run directory, HTTP and torch.distributed, exactly as under Slurm; this module
+only starts them, shows progress, and stops them all when one fails or the user presses Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from areal_hpc import alloc
+from areal_hpc.config import ExperimentConfig
+from areal_hpc.control.status import ABORTED, COMPLETE, abort, get_status
+from areal_hpc.launch.rundir import RunDir, create_run_dir
+from areal_hpc.monitor.progress import Progress
+
+STOP_GRACE_SECS = 5.0
+
+
+@dataclass
+class Role:
+    name: str  # controller | gen_server<i> | trainer<r>
+    argv: list[str]
+    process: subprocess.Popen | None = None
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+
+def plan_roles(cfg: ExperimentConfig, run: RunDir) -> list[Role]:
+    """The processes of a run: one generation server per TP group, one trainer per rank, the controller."""
+    allocation = alloc.resolve_allocation(
+        cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    )
+    n_trainers = allocation.n_train_gpus
+    entry = [sys.executable, "-m", "areal_hpc.launch.roles", "--run-dir", str(run.root)]
+    roles = [
+        Role(f"gen_server{i}", [*entry, "gen_server", "--index", str(i)]) for i in range(n_gen(allocation))
+    ]
+    roles += [Role(f"trainer{r}", [*entry, "trainer", "--index", str(r)]) for r in range(n_trainers)]
+    roles.append(Role("controller", [*entry, "controller"]))
+    return roles
+
+
+def n_gen(allocation: alloc.Allocation) -> int:
+    """Generation servers: one per TP group of the generation layout (none when colocated)."""
+    return len(allocation.gen_servers()) if allocation.n_gen_gpus else 0
+
+
+def start(roles: list[Role], run: RunDir) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    for role in roles:
+        log = open(run.logs / f"{role.name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        # A session of its own: the terminal's Ctrl-C reaches only this supervisor, which stops roles in order.
+        role.process = subprocess.Popen(
+            role.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+
+def stop(roles: list[Role], grace: float = STOP_GRACE_SECS) -> None:
+    """SIGTERM every live role, then SIGKILL what is left after `grace` seconds."""
+    live = [r for r in roles if r.exit_code is None]
+    for role in live:
+        _signal(role, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(r.exit_code is None for r in live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for role in live:
+        if role.exit_code is None:
+            _signal(role, signal.SIGKILL)
+            role.process.wait()
+
+
+def _signal(role: Role, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(role.process.pid, sig)
+
+
+def log_tail(run: RunDir, role: str, n: int = 15) -> str:
+    path = run.logs / f"{role}.log"
+    lines = path.read_text(errors="replace").splitlines()[-n:] if path.is_file() else []
+    return "\n".join("    " + line for line in lines)
+
+
+def supervise(roles: list[Role], run: RunDir, progress: Progress) -> tuple[int, str]:
+    """Wait until the controller finishes (0) or any role fails (1); returns (exit code, message)."""
+    controller = next(r for r in roles if r.name == "controller")
+    while True:
+        progress.update()
+        status = get_status(run.root)
+        if status is not None and status.state == ABORTED:
+            return 1, failure_message(run, status.role, f"{status.role} aborted the run: {status.reason}")
+        failed = [r for r in roles if r.exit_code not in (None, 0)]
+        if failed:
+            role = failed[0]
+            return 1, failure_message(
+                run, role.name, f"role {role.name} failed with exit code {role.exit_code}"
+            )
+        if controller.exit_code == 0:
+            return 0, "completed"
+        early = [r for r in roles if r.exit_code == 0 and r is not controller]
+        if early and (status is None or status.state != COMPLETE):
+            return 1, failure_message(
+                run, early[0].name, f"role {early[0].name} exited before the run finished"
+            )
+        time.sleep(0.2)
+
+
+def failure_message(run: RunDir, role: str, reason: str) -> str:
+    return f"{reason}\nlast lines of {run.logs / (role + '.log')}:\n{log_tail(run, role)}"
+
+
+def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
+    """Create the run directory, start every role, supervise them; 0 only when the run completed."""
+    out = out or sys.stdout
+    run = create_run_dir(cfg)
+    roles = plan_roles(cfg, run)
+    print(f"run directory: {run.root}", file=out)
+    print(f"roles: {', '.join(r.name for r in roles)} (logs in {run.logs})", file=out)
+    progress = Progress(run, out)
+    try:
+        start(roles, run)
+        code, message = supervise(roles, run, progress)
+    except KeyboardInterrupt:
+        code, message = 130, "interrupted (Ctrl-C)"
+    if code != 0:
+        abort(run.root, message.splitlines()[0], "launcher")  # keeps the first cause if a role set one
+    stop(roles)
+    progress.finish()
+    print(f"areal-hpc run: {message}", file=out if code == 0 else sys.stderr)
+    return code

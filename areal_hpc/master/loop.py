@@ -1,0 +1,239 @@
+"""The master loop of synchronous PPO/GRPO and of supervised warm-up: one global step at a time.
+
+Per step: pick the step's prompts, roll them out (generation + reward), run each trainer call of the graph
+on its data-parallel parts, publish the new weights to the servers, then log, save and evaluate as the
+frequencies say. The master holds sample metadata only; data moves through batch files.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.control.ledger import Ledger
+from areal_hpc.data.batch import read_batch, read_keys, write_batch
+from areal_hpc.data.dataset import PromptDataset, ShardedSampler
+from areal_hpc.data.sft import sft_arrays
+from areal_hpc.eval.heldout import greedy_accuracy
+from areal_hpc.gen.rollout import rollout_step
+from areal_hpc.launch.rundir import RunDir
+from areal_hpc.master.buffer import Buffer, SampleMeta
+from areal_hpc.master.dispatch import refs_payload, split_by_rank
+from areal_hpc.master.freq import FrequencyControl
+from areal_hpc.master.graph import MFC
+from areal_hpc.monitor.progress import write_progress
+from areal_hpc.monitor.stats import StatsLog, step_line
+
+logger = logging.getLogger("master")
+
+
+@dataclass
+class StepCounter:
+    """Where the run is: epoch and step within it, global step, and the weight version the servers hold."""
+
+    steps_per_epoch: int
+    total_epochs: int
+    total_steps: int
+    global_step: int = 0
+    version: int = 0
+    step_secs: list[float] = field(default_factory=list)
+
+    @property
+    def epoch(self) -> int:
+        return self.global_step // self.steps_per_epoch
+
+    @property
+    def epoch_step(self) -> int:
+        return self.global_step % self.steps_per_epoch
+
+    def eta_secs(self) -> float:
+        recent = self.step_secs[-10:]
+        return sum(recent) / max(len(recent), 1) * (self.total_steps - self.global_step)
+
+
+def make_counter(cfg: ExperimentConfig, sampler: ShardedSampler) -> StepCounter:
+    steps_per_epoch = len(sampler)
+    total = steps_per_epoch * cfg.exp_ctrl.total_train_epochs
+    if cfg.exp_ctrl.benchmark_steps is not None:
+        total = min(total, cfg.exp_ctrl.benchmark_steps)
+    return StepCounter(steps_per_epoch, cfg.exp_ctrl.total_train_epochs, total)
+
+
+def sample_metas(gen_path: str, prompts, group_size: int, lengths: list[int], keys, birth: float):
+    """Buffer entries of one rollout file: sample i of prompt p is row p * group_size + i."""
+    return [
+        SampleMeta(
+            sample_id=f"{prompts[row // group_size].query_id}/{row % group_size}",
+            group=prompts[row // group_size].query_id,
+            seqlen=lengths[row],
+            birth_time=birth,
+            keys={k: (gen_path, row) for k in keys},
+        )
+        for row in range(len(lengths))
+    ]
+
+
+class Master:
+    """The step loop over trainer ranks (`trainers`) and generation servers (`clients`)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run: RunDir,
+        graph: list[MFC],
+        data: tuple[PromptDataset, PromptDataset | None],
+        trainers,
+        clients: list,
+        verifier,
+        tokenizer,
+    ):
+        self.cfg, self.rundir, self.graph = cfg, run, graph
+        self.dataset, self.heldout = data
+        self.trainers, self.clients, self.verifier, self.tokenizer = trainers, clients, verifier, tokenizer
+        self.buffer = Buffer(graph)
+        self.ledger = Ledger(run.root)
+        self.eval_history: list[tuple[int, float]] = []
+        self.sampler = ShardedSampler(len(self.dataset), 0, 1, cfg.seed, cfg.dataset.train_bs_n_seqs)
+        self.counter = make_counter(cfg, self.sampler)
+        ctrl = cfg.exp_ctrl
+        self.save_ctl = FrequencyControl(ctrl.save_freq_epochs, ctrl.save_freq_steps, ctrl.save_freq_secs)
+        self.eval_ctl = FrequencyControl(ctrl.eval_freq_epochs, ctrl.eval_freq_steps, ctrl.eval_freq_secs)
+        self.stats = StatsLog(run.stats)
+
+    def run_mfc(self, buffer: Buffer, mfc: MFC, step: int, n_samples: int) -> dict[str, float]:
+        """One call on every rank: its data-parallel part in, outputs amended into the buffer."""
+        start = time.monotonic()
+        samples = buffer.ready(mfc.name, n_samples)
+        if samples is None:
+            raise RuntimeError(f"{mfc.name}: fewer than {n_samples} samples have its inputs {mfc.inputs}")
+        parts = split_by_rank(samples, self.trainers.n_ranks)
+        keys = [k for k in mfc.inputs if k in samples[0].keys]
+        out_dir = self.rundir.step_data(step)
+        payloads = [
+            {
+                "mfc": mfc.name,
+                "refs": refs_payload(part, keys),
+                "out": str(out_dir / f"{mfc.name}.r{rank}.h5"),
+            }
+            for rank, part in enumerate(parts)
+        ]
+        results = self.trainers.call(mfc.kind, payloads)
+        for part, payload in zip(parts, payloads, strict=True):
+            if mfc.outputs:
+                buffer.amend([s.sample_id for s in part], payload["out"], mfc.outputs)
+        buffer.consume(mfc.name, [s.sample_id for s in samples])
+        stats = dict(results[0].get("stats", {})) if mfc.kind == "train_step" else {}
+        stats[f"timeperf/{mfc.name}"] = time.monotonic() - start
+        return stats
+
+    def publish(self) -> dict[str, float]:
+        """Rank 0 saves the new actor weights; every server loads them; older snapshots are removed."""
+        start = time.monotonic()
+        self.counter.version += 1
+        path = self.rundir.weights(self.counter.version)
+        self.trainers.call_all("save", {"model": "actor", "path": str(path)})
+        for client in self.clients:
+            client.update_weights_from_disk(str(path), self.counter.version)
+        shutil.rmtree(self.rundir.weights(self.counter.version - 1), ignore_errors=True)
+        return {"timeperf/weight_sync": time.monotonic() - start}
+
+    def finish_step(self, stats: dict[str, float], step_start: float) -> None:
+        c = self.counter
+        secs = time.monotonic() - step_start
+        c.step_secs.append(secs)
+        c.global_step += 1
+        stats["timeperf/e2e"] = secs
+        self.stats.write(c.global_step, stats)
+        logger.info(step_line(c, secs))
+        reward = stats.get("ppo_actor/task_reward/avg", stats.get("sft/loss"))
+        write_progress(self.rundir.progress, c.global_step, c.total_steps, reward, c.eta_secs())
+        epoch_done = c.epoch_step == 0
+        last = c.global_step == c.total_steps
+        if self.save_ctl.check(epochs=int(epoch_done), steps=1) or last:
+            self.save()
+        if self.eval_ctl.check(epochs=int(epoch_done), steps=1):
+            self.evaluate()
+
+    def save(self) -> None:
+        """A persistent HF checkpoint of the actor (REFERENCE section 1 naming)."""
+        c = self.counter
+        last_epoch_step = (c.global_step - 1) % c.steps_per_epoch + 1
+        path = self.rundir.checkpoint(
+            "actor", (c.global_step - 1) // c.steps_per_epoch, last_epoch_step, c.global_step
+        )
+        self.trainers.call_all("save", {"model": "actor", "path": str(path)})
+        logger.info("Saved actor weights to %s", path)
+
+    def evaluate(self) -> float | None:
+        """Greedy accuracy on the held-out prompts, logged as eval/greedy_acc."""
+        if self.heldout is None:
+            return None
+        acc = greedy_accuracy(self.clients, self.heldout, self.verifier, self.cfg.ppo.gen.max_new_tokens)
+        self.stats.write(self.counter.global_step, {"eval/greedy_acc": acc})
+        logger.info("Held-out greedy accuracy after %d steps: %.3f", self.counter.global_step, acc)
+        self.eval_history.append((self.counter.global_step, acc))
+        return acc
+
+    def next_prompts(self) -> list:
+        return [self.dataset[i] for i in self.sampler.next_batch()]
+
+    def ppo_step(self) -> None:
+        """Rollout, then every trainer call of the graph, then weight publication."""
+        start, step = time.monotonic(), self.counter.global_step
+        prompts = self.next_prompts()
+        gen_path, stats = rollout_step(
+            self.clients, self.verifier, prompts, self.cfg, self.rundir.step_data(step) / "rollout.h5"
+        )
+        self.add_samples(str(gen_path), prompts, self.cfg.group_size, birth=start)
+        for mfc in self.graph:
+            stats |= self.run_mfc(self.buffer, mfc, step, len(prompts) * self.cfg.group_size)
+        stats |= self.publish()
+        self.end_of_step_data(step, prompts)
+        self.finish_step(stats, start)
+
+    def sft_step(self) -> None:
+        """Supervised warm-up: next-token loss on the reference solutions of the step's prompts."""
+        start, step = time.monotonic(), self.counter.global_step
+        prompts = self.next_prompts()
+        path = write_batch(self.rundir.step_data(step) / "sft.h5", sft_arrays(prompts, self.tokenizer))
+        self.add_samples(str(path), prompts, 1, birth=start)
+        stats = {}
+        for mfc in self.graph:
+            stats |= self.run_mfc(self.buffer, mfc, step, len(prompts))
+        self.end_of_step_data(step, prompts)
+        self.finish_step(stats, start)
+
+    def add_samples(self, path: str, prompts: list, group_size: int, birth: float) -> None:
+        arrays = read_batch(path, keys=[])
+        lengths = np.diff(arrays["cu_seqlens"]).tolist()
+        keys = [k for k in read_keys(path) if k != "cu_seqlens"]
+        self.buffer.add(sample_metas(path, prompts, group_size, lengths, keys, birth))
+
+    def end_of_step_data(self, step: int, prompts: list) -> None:
+        """Record the consumed prompts, then drop the step's data (the original's clear_data_cache)."""
+        self.ledger.record(self.counter.epoch, self.counter.global_step, [p.query_id for p in prompts])
+        shutil.rmtree(self.rundir.step_data(step), ignore_errors=True)
+
+    def run(self) -> list[tuple[int, float]]:
+        """All steps; held-out greedy accuracy before and after. Returns the evaluation history."""
+        step_fn = self.sft_step if self.cfg.experiment_type == "sft" else self.ppo_step
+        logger.info(
+            "Training %d steps (%d epochs of %d steps), graph %s",
+            self.counter.total_steps,
+            self.counter.total_epochs,
+            self.counter.steps_per_epoch,
+            [m.name for m in self.graph],
+        )
+        self.trainers.call_all("initialize", {"total_train_steps": self.counter.total_steps})
+        if self.cfg.experiment_type == "ppo":
+            self.evaluate()
+        while self.counter.global_step < self.counter.total_steps:
+            step_fn()
+        if self.cfg.experiment_type == "ppo":
+            self.evaluate()
+        return self.eval_history

@@ -1,0 +1,68 @@
+"""The trainer ranks as the master sees them: a mailbox each, called together, watched by heartbeat."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_hpc.control.heartbeat import dead_workers
+from areal_hpc.control.mailbox import Mailbox, ReplyTimeout
+
+
+class WorkerDied(RuntimeError):
+    """A worker stopped beating while the master waited for it."""
+
+
+def trainer_name(rank: int) -> str:
+    return f"trainer{rank}"
+
+
+class TrainerGroup:
+    """Posts one request per rank (then a flush, which runs blocking requests) and waits for every reply."""
+
+    def __init__(self, run_dir: Path, n_ranks: int, timeout: float = 3600.0, heartbeat_timeout: float = 30.0):
+        self.run_dir, self.n_ranks = Path(run_dir), n_ranks
+        self.names = [trainer_name(r) for r in range(n_ranks)]
+        self.mailbox = Mailbox(run_dir)
+        self.timeout, self.heartbeat_timeout = timeout, heartbeat_timeout
+
+    def call(self, type: str, payloads: list[dict]) -> list[Any]:
+        """Request `type` on every rank with its payload; the results in rank order."""
+        if len(payloads) != self.n_ranks:
+            raise ValueError(f"{type}: {len(payloads)} payloads for {self.n_ranks} ranks")
+        ids = [self.mailbox.post(name, type, p) for name, p in zip(self.names, payloads, strict=True)]
+        flushes = [self.mailbox.post(name, "flush") for name in self.names]
+        results = [self.wait(name, rid) for name, rid in zip(self.names, ids, strict=True)]
+        for name, rid in zip(self.names, flushes, strict=True):
+            self.wait(name, rid)
+        return results
+
+    def call_all(self, type: str, payload: dict) -> list[Any]:
+        """The same request on every rank (collectives such as save need every rank)."""
+        return self.call(type, [payload] * self.n_ranks)
+
+    def wait(self, name: str, request_id: str) -> Any:
+        """A reply, checking every second that the ranks are still alive."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.mailbox.wait_reply(name, request_id, timeout=1.0)
+            except ReplyTimeout:
+                dead = dead_workers(self.run_dir, self.names, self.heartbeat_timeout)
+                if dead:
+                    raise WorkerDied(
+                        f"{', '.join(dead)} stopped sending heartbeats for {self.heartbeat_timeout:.0f} s "
+                        f"while the master waited for {name}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise
+
+    def wait_started(self, timeout: float) -> None:
+        """Until every rank answers a non-blocking `model_config` request."""
+        for name in self.names:
+            self.mailbox.request(name, "model_config", None, timeout=timeout)
+
+    def stop(self) -> None:
+        for name in self.names:
+            self.mailbox.post(name, "stop")

@@ -1,0 +1,104 @@
+"""A trainer rank as a process: the mailbox handlers that run model function calls on batch files.
+
+Requests (from the master, through `control.worker.WorkerServer`): `model_config` (non-blocking: who am I),
+then the blocking `initialize`, `inference`, `train_step`, `save`, run at each `flush`. A payload names the
+batch files holding this rank's samples (`refs`, read with `data.batch.gather`) and, for inference, the file
+to write the outputs to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from areal_hpc import alloc
+from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.control.worker import WorkerServer
+from areal_hpc.data.batch import CU, gather, write_batch
+from areal_hpc.launch.rundir import RunDir
+from areal_hpc.master.trainers import trainer_name
+from areal_hpc.train import dist, interfaces
+from areal_hpc.train.engine import TorchEngine
+
+logger = logging.getLogger("trainer")
+
+
+class TrainerHandlers:
+    """The request types a trainer rank answers; engines are built by `initialize`."""
+
+    def __init__(self, cfg: ExperimentConfig, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.engines: dict[str, TorchEngine] = {}
+
+    def model_config(self, payload: Any) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "initialized": bool(self.engines)}
+
+    def initialize(self, payload: dict) -> dict:
+        """Load the models the graph needs; the actor trains for `total_train_steps` optimizer steps."""
+        cfg = self.cfg
+        n_minibatches = 1 if cfg.experiment_type == "sft" else cfg.ppo.ppo_n_minibatches
+        total = payload["total_train_steps"] * n_minibatches
+        self.engines["actor"] = TorchEngine(cfg.actor, total, cfg.seed)
+        if cfg.experiment_type == "ppo" and cfg.ppo.kl_ctl > 0:
+            ref = cfg.ref if cfg.ref.path else dataclasses.replace(cfg.ref, path=cfg.actor.path)
+            self.engines["ref"] = TorchEngine(ref, None, cfg.seed)
+        if cfg.experiment_type == "ppo" and not cfg.ppo.disable_value:
+            self.engines["critic"] = TorchEngine(cfg.critic, total, cfg.seed, critic=True)
+        logger.info("rank %d/%d loaded %s", self.rank, self.world_size, sorted(self.engines))
+        return {"models": sorted(self.engines)}
+
+    def inference(self, payload: dict) -> dict:
+        mfc, batch = payload["mfc"], gather(payload["refs"])
+        ppo, temperature = self.cfg.ppo, self.cfg.ppo.gen.temperature
+        if mfc == "actor_inf":
+            out = interfaces.actor_inference(
+                self.engines["actor"], batch, self.cfg.actor_inf.mb_spec, temperature
+            )
+        elif mfc == "ref_inf":
+            out = interfaces.ref_inference(self.engines["ref"], batch, self.cfg.ref_inf.mb_spec, temperature)
+        elif mfc == "critic_inf":
+            out = interfaces.critic_inference(self.engines["critic"], batch, self.cfg.critic_inf.mb_spec)
+        else:
+            raise ValueError(f"trainer cannot run inference call {mfc!r} (ppo options {ppo.disable_value=})")
+        write_batch(payload["out"], {CU: batch[CU], **out})
+        return {"path": payload["out"]}
+
+    def train_step(self, payload: dict) -> dict:
+        mfc, batch, cfg = payload["mfc"], gather(payload["refs"]), self.cfg
+        if mfc == "actor_train":
+            stats = interfaces.actor_train_step(
+                self.engines["actor"],
+                batch,
+                cfg.ppo,
+                cfg.actor_train.mb_spec,
+                global_step=payload.get("global_step"),
+            )
+        elif mfc == "critic_train":
+            stats = interfaces.critic_train_step(
+                self.engines["critic"], batch, cfg.ppo, cfg.critic_train.mb_spec
+            )
+        elif mfc == "sft_train":
+            stats = interfaces.sft_train_step(self.engines["actor"], batch, cfg.actor_train.mb_spec)
+        else:
+            raise ValueError(f"trainer cannot run train call {mfc!r}")
+        return {"stats": stats}
+
+    def save(self, payload: dict) -> dict:
+        """HF weights of a model (rank 0 writes; every rank joins, as a later sharded save will need)."""
+        path = self.engines[payload["model"]].save_hf(payload["path"])
+        return {"path": None if path is None else str(path)}
+
+
+def serve_trainer(run: RunDir, rank: int) -> None:
+    """Join the trainer process group, then serve this rank's mailbox until the master says stop."""
+    cfg = run.load_config()
+    allocation = alloc.resolve_allocation(
+        cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    )
+    world_size = allocation.n_train_gpus
+    dist.init_distributed(rank, world_size, run.dist_init)
+    try:
+        WorkerServer(run.root, trainer_name(rank), TrainerHandlers(cfg, rank, world_size)).serve()
+    finally:
+        dist.destroy()
