@@ -55,6 +55,7 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(tmp_path, tiny_mode
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in steps)  # reduced over both ranks
     assert all(r["ppo_actor/importance_weight/avg"] == pytest.approx(1.0, abs=1e-3) for r in steps)
+    assert all(r["ppo_actor/head_offpolicyness/max"] == 0 for r in steps)  # synchronous: fresh weights
     records = list(Ledger(run.root).records())
     assert [len(r.ids) for r in records] == [4, 4, 4] and len({i for r in records for i in r.ids}) == 12
     assert (run.root / "checkpoints/actor/epoch0epochstep3globalstep3/model.safetensors").is_file()

@@ -105,9 +105,9 @@ class Master:
         self.eval_ctl = FrequencyControl(ctrl.eval_freq_epochs, ctrl.eval_freq_steps, ctrl.eval_freq_secs)
         self.stats = StatsLog(run.stats)
 
-    def run_mfc(self, buffer: Buffer, mfc: MFC, step: int, n_samples: int) -> dict[str, float]:
+    def run_mfc(self, mfc: MFC, step: int, n_samples: int) -> dict[str, float]:
         """One call on every rank: its data-parallel part in, outputs amended into the buffer."""
-        start = time.monotonic()
+        start, buffer = time.monotonic(), self.buffer
         samples = buffer.ready(mfc.name, n_samples)
         if samples is None:
             raise RuntimeError(f"{mfc.name}: fewer than {n_samples} samples have its inputs {mfc.inputs}")
@@ -119,6 +119,7 @@ class Master:
                 "mfc": mfc.name,
                 "refs": refs_payload(part, keys),
                 "out": str(out_dir / f"{mfc.name}.r{rank}.h5"),
+                "global_step": self.counter.global_step,  # for head/tail off-policyness
             }
             for rank, part in enumerate(parts)
         ]
@@ -191,7 +192,7 @@ class Master:
         )
         self.add_samples(str(gen_path), prompts, self.cfg.group_size, birth=start)
         for mfc in self.graph:
-            stats |= self.run_mfc(self.buffer, mfc, step, len(prompts) * self.cfg.group_size)
+            stats |= self.run_mfc(mfc, step, len(prompts) * self.cfg.group_size)
         stats |= self.publish()
         self.end_of_step_data(step, prompts)
         self.finish_step(stats, start)
@@ -204,7 +205,7 @@ class Master:
         self.add_samples(str(path), prompts, 1, birth=start)
         stats = {}
         for mfc in self.graph:
-            stats |= self.run_mfc(self.buffer, mfc, step, len(prompts))
+            stats |= self.run_mfc(mfc, step, len(prompts))
         self.end_of_step_data(step, prompts)
         self.finish_step(stats, start)
 
@@ -216,7 +217,8 @@ class Master:
 
     def end_of_step_data(self, step: int, prompts: list) -> None:
         """Record the consumed prompts, then drop the step's data (the original's clear_data_cache)."""
-        self.ledger.record(self.counter.epoch, self.counter.global_step, [p.query_id for p in prompts])
+        c = self.counter
+        self.ledger.record(c.epoch, c.global_step + 1, [p.query_id for p in prompts])  # the step that ends
         shutil.rmtree(self.rundir.step_data(step), ignore_errors=True)
 
     def run(self) -> list[tuple[int, float]]:
