@@ -97,3 +97,8 @@ def test_frequency_state_restores_counters_and_elapsed_time():
     restored.load_state_dict(freq.state_dict())
     restored.clock.now += 11
     assert restored.steps == 2 and restored.check() is True
+
+
+def test_supervised_warm_up_is_one_training_call():
+    cfg = load_config(overrides=["experiment_type=sft"])
+    assert names(build_graph(cfg, trainer_only=True)) == ["sft_train"]

@@ -39,6 +39,7 @@ class Heartbeat:
         self.path = heartbeat_path(run_dir, name)
         self.name = name
         self.interval = interval
+        self.started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -50,7 +51,7 @@ class Heartbeat:
                 return
             except FileNotFoundError:
                 state = "alive"  # the file was removed under us: write it again
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "state": state, "started": time.time()}
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "state": state, "started": self.started}
         fsio.write_json(self.path, info)
 
     def start(self) -> Heartbeat:

@@ -118,8 +118,10 @@ class Mailbox:
         return request_id
 
     def wait_reply(self, worker: str, request_id: str, timeout: float) -> Any:
-        """The result of request ``request_id``; raises RemoteError if the handler failed, ReplyTimeout if
-        no reply came within ``timeout`` seconds."""
+        """The result of request ``request_id`` (the reply is consumed).
+
+        Raises RemoteError if the worker's handler failed, ReplyTimeout if no reply came within ``timeout`` s.
+        """
         path = (
             _folder(self.run_dir, worker, "replies") / f"{fsio.check_segment(request_id, 'request id')}.json"
         )

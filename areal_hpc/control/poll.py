@@ -9,7 +9,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 MIN_SLEEP = 0.0002  # seconds: the first sleeps after activity, so a reply is seen within a fraction of a ms
-MAX_SLEEP = 0.005  # seconds: the idle sleep, a few ms, so idle pollers cost little CPU
+MAX_SLEEP = 0.003  # seconds: the idle sleep, a few ms, so idle pollers cost little CPU and storage
+GROWTH = 1.5  # gentler than doubling: a sleep overshoots the awaited event by at most half of itself
 
 
 class ControlTimeout(TimeoutError):
@@ -17,7 +18,7 @@ class ControlTimeout(TimeoutError):
 
 
 class Backoff:
-    """Sleep durations doubling from ``min_sleep`` to ``max_sleep``; ``reset()`` after activity."""
+    """Sleep durations growing from ``min_sleep`` to ``max_sleep``; ``reset()`` after activity."""
 
     def __init__(self, min_sleep: float = MIN_SLEEP, max_sleep: float = MAX_SLEEP) -> None:
         self.min_sleep = min_sleep
@@ -31,7 +32,7 @@ class Backoff:
     def sleep(self, limit: float | None = None) -> None:
         """Sleep the current duration (at most ``limit`` seconds) and lengthen the next one."""
         duration = self._next if limit is None else max(0.0, min(self._next, limit))
-        self._next = min(self._next * 2, self.max_sleep)
+        self._next = min(self._next * GROWTH, self.max_sleep)
         time.sleep(duration)
 
 

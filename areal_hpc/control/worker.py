@@ -128,13 +128,13 @@ class WorkerServer:
         if fn is None:
             if request.type == "empty":
                 return None
-            raise KeyError(f"worker {self.name!r} has no handler for request type {request.type!r}")
+            raise LookupError(f"worker {self.name!r} has no handler for request type {request.type!r}")
         return fn(request.payload)
 
     def _run_hook(self, request: Request, hook: dict, phase: str) -> None:
         fn = _lookup(self.hooks, hook["name"])
         if fn is None:
-            raise KeyError(
+            raise LookupError(
                 f"worker {self.name!r} has no {phase}-hook {hook['name']!r} (request {request.type!r})"
             )
         fn(hook.get("payload", request.payload))

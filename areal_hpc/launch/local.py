@@ -42,17 +42,11 @@ def plan_roles(cfg: ExperimentConfig, run: RunDir) -> list[Role]:
     )
     n_trainers = allocation.n_train_gpus
     entry = [sys.executable, "-m", "areal_hpc.launch.roles", "--run-dir", str(run.root)]
-    roles = [
-        Role(f"gen_server{i}", [*entry, "gen_server", "--index", str(i)]) for i in range(n_gen(allocation))
-    ]
+    n_servers = len(allocation.gen_servers())  # one per TP group of the generation layout
+    roles = [Role(f"gen_server{i}", [*entry, "gen_server", "--index", str(i)]) for i in range(n_servers)]
     roles += [Role(f"trainer{r}", [*entry, "trainer", "--index", str(r)]) for r in range(n_trainers)]
     roles.append(Role("controller", [*entry, "controller"]))
     return roles
-
-
-def n_gen(allocation: alloc.Allocation) -> int:
-    """Generation servers: one per TP group of the generation layout (none when colocated)."""
-    return len(allocation.gen_servers()) if allocation.n_gen_gpus else 0
 
 
 def start(roles: list[Role], run: RunDir) -> None:

@@ -42,7 +42,7 @@ def run_controller(run: RunDir) -> None:
     from areal_hpc.algo.math_verify import MathVerifier
     from areal_hpc.data.dataset import load_prompt_dataset
     from areal_hpc.gen.client import GenClient
-    from areal_hpc.master.graph import MFC, build_graph
+    from areal_hpc.master.graph import build_graph
     from areal_hpc.master.loop import Master
     from areal_hpc.master.trainers import TrainerGroup
 
@@ -60,14 +60,12 @@ def run_controller(run: RunDir) -> None:
         cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     )
     token = run.token()
-    n_servers = len(allocation.gen_servers()) if allocation.n_gen_gpus else 0
-    clients = [GenClient(wait_gen_address(run, i)["url"], token) for i in range(n_servers)]
+    clients = [
+        GenClient(wait_gen_address(run, i)["url"], token) for i in range(len(allocation.gen_servers()))
+    ]
     trainers = TrainerGroup(run.root, allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
-    if cfg.experiment_type == "sft":
-        graph = [MFC("sft_train", "actor", "train_step", ("packed_input_ids", "prompt_mask"), ())]
-    else:
-        graph = build_graph(cfg, trainer_only=True)
+    graph = build_graph(cfg, trainer_only=True)
     with MathVerifier(n_workers=1) as verifier:
         try:
             Master(cfg, run, graph, (train, heldout), trainers, clients, verifier, tokenizer).run()

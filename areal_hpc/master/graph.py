@@ -71,6 +71,8 @@ ALL_MFCS = (
     MFC("critic_train", "critic", "train_step", _TRAIN_INPUTS, ()),
 )
 ROLLOUT_MFCS = ("actor_gen", "rew_inf")  # run by the rollout side, not by trainer ranks
+# The one call of a supervised warm-up (experiment_type: sft).
+SFT_TRAIN = MFC("sft_train", "actor", "train_step", ("packed_input_ids", "prompt_mask"), ())
 
 
 def kept_mfcs(cfg: ExperimentConfig) -> list[str]:
@@ -91,6 +93,8 @@ def build_graph(cfg: ExperimentConfig, trainer_only: bool = False) -> list[MFC]:
 
     `trainer_only` leaves out generation and reward, which the rollout side runs.
     """
+    if cfg.experiment_type == "sft":
+        return [SFT_TRAIN]
     names = kept_mfcs(cfg)
     produced = set(DATASET_KEYS)
     for mfc in ALL_MFCS:
