@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     args.dir.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]  # before we add our own threads: latency suffers when the CPUs are busy
     with tempfile.TemporaryDirectory(prefix="bench_control_", dir=args.dir) as tmp:
         latencies = bench_round_trip(Path(tmp) / "rt", args.round_trips)
         register_s = bench_registration(Path(tmp) / "reg", args.workers, args.processes)
@@ -150,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         (f"round trip p99 ({len(latencies)} trips)", p99, "ms", TARGETS["p99_ms"]),
         (f"{args.workers} workers registered", register_s, "s", TARGETS["register_s"]),
     ]
-    print(f"control-layer benchmark in {where} (max round trip {max(latencies) * 1e3:.1f} ms)")
+    print(
+        f"control-layer benchmark in {where} on {os.cpu_count()} CPUs, 1-min load {load:.1f} before start, "
+        f"max round trip {max(latencies) * 1e3:.1f} ms"
+    )
     print(f"{'metric':<34} {'value':>10} {'target':>10}  result")
     failed = False
     for label, value, unit, target in rows:
