@@ -31,6 +31,7 @@ def toy_overrides(tmp_path: Path, model_dir: Path, data: Path, trial: str, steps
         f"dataset.path={data / 'train.jsonl'}",
         f"dataset.valid_path={data / 'test.jsonl'}",
         "allocation_mode=sglang.d1p1m1+d2p1m1",
+        "cluster.n_nodes=1",
         "cluster.n_gpus_per_node=3",
         "dataset.train_bs_n_seqs=4",
         "group_size=2",
@@ -94,7 +95,8 @@ def role_pids(run_root: Path) -> dict[str, int]:
         args = [a.decode() for a in argv if a]
         if "areal_hpc.launch.roles" in args and str(run_root) in args:
             role = next(a for a in args if a in ("controller", "gen_server", "trainer"))
-            index = args[args.index("--index") + 1] if "--index" in args else ""
+            env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
+            index = "" if role == "controller" else env[b"SUBMITIT_LOCAL_GLOBALID"].decode()
             pids[role + index] = int(proc.name)
     return pids
 

@@ -1,7 +1,7 @@
 """Experiment status in ``<run_dir>/status.json``: RUNNING, then COMPLETE or ABORTED, which are final.
 
 ``{"state": ..., "reason": ..., "role": ..., "time": <unix time>, "host": ...}``. Leaving a final state needs
-``reset=True`` (recovery). ``abort`` keeps the first cause when several roles fail one after another. The
+``reset=True`` (recovery). ``complete`` also writes the FINISHED marker. ``abort`` keeps the first cause when several roles fail one after another. The
 check and the write are not one atomic step; the controller is the usual writer and other roles only abort.
 """
 
@@ -80,6 +80,13 @@ def abort(run_dir: str | os.PathLike, reason: str, role: str) -> Status:
     return set_status(run_dir, ABORTED, reason=reason, role=role)
 
 
+def finished_path(run_dir: str | os.PathLike) -> Path:
+    """The FINISHED marker: present once the run completed (job scripts test it; a finished run never requeues)."""
+    return Path(run_dir) / "FINISHED"
+
+
 def complete(run_dir: str | os.PathLike, role: str, reason: str = "finished") -> Status:
-    """Mark the run COMPLETE; raises StatusError if it was already final."""
-    return set_status(run_dir, COMPLETE, reason=reason, role=role)
+    """Mark the run COMPLETE and write FINISHED; raises StatusError if it was already final."""
+    status = set_status(run_dir, COMPLETE, reason=reason, role=role)
+    fsio.write_json(finished_path(run_dir), asdict(status), fsync=True)
+    return status

@@ -28,6 +28,7 @@ STOP_GRACE_SECS = 5.0
 class Role:
     name: str  # controller | gen_server<i> | trainer<r>
     argv: list[str]
+    env: dict[str, str]  # the job environment the role reads its index from
     process: subprocess.Popen | None = None
 
     @property
@@ -40,22 +41,35 @@ def plan_roles(cfg: ExperimentConfig, run: RunDir) -> list[Role]:
     allocation = alloc.resolve_allocation(
         cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     )
-    n_trainers = allocation.n_train_gpus
-    entry = [sys.executable, "-m", "areal_hpc.launch.roles", "--run-dir", str(run.root)]
     n_servers = len(allocation.gen_servers())  # one per TP group of the generation layout
-    roles = [Role(f"gen_server{i}", [*entry, "gen_server", "--index", str(i)]) for i in range(n_servers)]
-    roles += [Role(f"trainer{r}", [*entry, "trainer", "--index", str(r)]) for r in range(n_trainers)]
-    roles.append(Role("controller", [*entry, "controller"]))
+    entry = [sys.executable, "-m", "areal_hpc.launch.roles", "--run-dir", str(run.root)]
+    roles = [Role(f"gen_server{i}", [*entry, "gen_server"], task_env(i, n_servers)) for i in range(n_servers)]
+    n_trainers = allocation.n_train_gpus
+    roles += [Role(f"trainer{r}", [*entry, "trainer"], task_env(r, n_trainers)) for r in range(n_trainers)]
+    roles.append(Role("controller", [*entry, "controller"], task_env(0, 1)))
     return roles
+
+
+def task_env(index: int, n_tasks: int) -> dict[str, str]:
+    """Task `index` of `n_tasks` on this node, in the variables of submitit's local JobEnvironment."""
+    return {
+        "SUBMITIT_EXECUTOR": "local",
+        "SUBMITIT_LOCAL_JOB_ID": str(os.getpid()),
+        "SUBMITIT_LOCAL_NTASKS": str(n_tasks),
+        "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+        "SUBMITIT_LOCAL_NODEID": "0",
+        "SUBMITIT_LOCAL_GLOBALID": str(index),
+        "SUBMITIT_LOCAL_LOCALID": str(index),
+    }
 
 
 def start(roles: list[Role], run: RunDir) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
     for role in roles:
-        log = open(run.logs / f"{role.name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        log = open(run.attempt_logs(0) / f"{role.name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
         # A session of its own: the terminal's Ctrl-C reaches only this supervisor, which stops roles in order.
         role.process = subprocess.Popen(
-            role.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            role.argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **role.env}, start_new_session=True
         )
         log.close()
 
@@ -80,7 +94,7 @@ def _signal(role: Role, sig: int) -> None:
 
 
 def log_tail(run: RunDir, role: str, n: int = 15) -> str:
-    path = run.logs / f"{role}.log"
+    path = run.attempt_logs(0) / f"{role}.log"
     lines = path.read_text(errors="replace").splitlines()[-n:] if path.is_file() else []
     return "\n".join("    " + line for line in lines)
 
@@ -110,7 +124,7 @@ def supervise(roles: list[Role], run: RunDir, progress: Progress) -> tuple[int, 
 
 
 def failure_message(run: RunDir, role: str, reason: str) -> str:
-    return f"{reason}\nlast lines of {run.logs / (role + '.log')}:\n{log_tail(run, role)}"
+    return f"{reason}\nlast lines of {run.attempt_logs(0) / (role + '.log')}:\n{log_tail(run, role)}"
 
 
 def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
@@ -119,7 +133,8 @@ def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
     run = create_run_dir(cfg)
     roles = plan_roles(cfg, run)
     print(f"run directory: {run.root}", file=out)
-    print(f"roles: {', '.join(r.name for r in roles)} (logs in {run.logs})", file=out)
+    run.attempt_logs(0).mkdir()
+    print(f"roles: {', '.join(r.name for r in roles)} (logs in {run.attempt_logs(0)})", file=out)
     progress = Progress(run, out)
     try:
         start(roles, run)

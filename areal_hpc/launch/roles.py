@@ -1,24 +1,50 @@
-"""Entry point of one role process: `python -m areal_hpc.launch.roles --run-dir D ROLE [--index i]`.
+"""Entry point of one role process: `python -m areal_hpc.launch.roles --run-dir D ROLE`.
 
-The same command runs under `areal-hpc run` (local processes) and in a Slurm step; everything a role needs
-comes from the run directory (config, secret, registry) and its index.
+The same command runs under `areal-hpc run` (local processes), submitit's LocalExecutor (`role_main`) and in
+a Slurm step. A process learns its index among the tasks of its role from the job environment (submitit's
+JobEnvironment: SLURM_PROCID under Slurm, SUBMITIT_LOCAL_* locally), never from the launcher's arguments;
+everything else comes from the run directory (config, secret, registry).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
 from areal_hpc.control import fsio
+from areal_hpc.control.heartbeat import Heartbeat, last_beat
 from areal_hpc.control.poll import poll_until
-from areal_hpc.control.status import RUNNING, abort, complete, set_status
+from areal_hpc.control.status import ABORTED, RUNNING, abort, complete, finished_path, get_status, set_status
 from areal_hpc.launch.rundir import RunDir
 
 START_TIMEOUT_SECS = 600.0
+CONTROLLER_DEAD_SECS = 60.0
+ROLES = ("controller", "gen_server", "trainer")
+
+
+class JobEnvironmentError(RuntimeError):
+    """A role started outside any job environment, or with a task count that does not match the plan."""
+
+
+def task_of_job() -> tuple[int, int]:
+    """(index, number of tasks) of this process in its step, from submitit's JobEnvironment."""
+    import submitit
+
+    try:
+        env = submitit.JobEnvironment()
+    except RuntimeError as exc:
+        raise JobEnvironmentError(
+            "no job environment: start roles with `areal-hpc run`, submitit or Slurm "
+            f"(SUBMITIT_EXECUTOR={os.environ.get('SUBMITIT_EXECUTOR', '')!r}): {exc}"
+        ) from exc
+    return env.global_rank, env.num_tasks
 
 
 def wait_gen_address(run: RunDir, index: int) -> dict:
@@ -69,19 +95,32 @@ def run_controller(run: RunDir) -> None:
     with MathVerifier(n_workers=1) as verifier:
         try:
             Master(cfg, run, graph, (train, heldout), trainers, clients, verifier, tokenizer).run()
+            # Complete before the trainers stop: under Slurm a step that ends before the run is marked
+            # finished ends the job as failed.
+            complete(run.root, "controller")
         finally:
             trainers.stop()
-    complete(run.root, "controller")
 
 
-def run_trainer(run: RunDir, rank: int) -> None:
+def run_trainer(run: RunDir, rank: int, n_tasks: int) -> None:
+    from areal_hpc import alloc
     from areal_hpc.train.worker import serve_trainer
 
+    cfg = run.load_config()
+    allocation = alloc.resolve_allocation(
+        cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    )
+    if n_tasks != allocation.n_train_gpus:
+        raise JobEnvironmentError(
+            f"the job started {n_tasks} trainer tasks, but allocation_mode {cfg.allocation_mode!r} "
+            f"trains on {allocation.n_train_gpus} GPUs"
+        )
     serve_trainer(run, rank)
 
 
 def run_gen_server(run: RunDir, index: int) -> None:
-    """The built-in server on the actor's weights; it announces its URL in the run directory."""
+    """The built-in server on the actor's weights; it announces its URL in the run directory and serves
+    until the run ends (see `why_stop`), so that a job whose servers are a step of their own finishes."""
     from areal_hpc.gen import server
 
     cfg = run.load_config()
@@ -89,27 +128,66 @@ def run_gen_server(run: RunDir, index: int) -> None:
     args = ["--model-path", cfg.actor.path, "--token-file", str(run.secret), "--host", host]
     args += ["--address-file", str(run.gen_address(index)), "--seed", str(cfg.seed + index)]
     run.gen_address(index).parent.mkdir(exist_ok=True)
+    reason: list[str] = []
+    threading.Thread(target=watch_run, args=(run, reason), daemon=True).start()
     server.serve(server.parse_args(args))
+    if reason and reason[0]:
+        raise RunEndedError(reason[0])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="areal_hpc.launch.roles")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("role", choices=("controller", "gen_server", "trainer"))
-    parser.add_argument("--index", type=int, default=0)
-    ns = parser.parse_args(argv)
-    run = RunDir(ns.run_dir)
-    name = ns.role if ns.role == "controller" else f"{ns.role}{ns.index}"
+class RunEndedError(RuntimeError):
+    """The run ended without completing while this role was serving it."""
+
+
+def why_stop(run: RunDir, waited: float, dead_secs: float = CONTROLLER_DEAD_SECS) -> str | None:
+    """None while the run goes on; "" once it finished; else why a server should give up on it."""
+    if finished_path(run.root).exists():
+        return ""
+    status = get_status(run.root)
+    if status is not None and status.state == ABORTED:
+        return f"the run was aborted by {status.role or '?'}: {status.reason}"
+    beat = last_beat(run.root, "controller")
+    if beat is None:
+        return (
+            f"no controller started within {START_TIMEOUT_SECS:.0f} s"
+            if waited > START_TIMEOUT_SECS
+            else None
+        )
+    if beat.get("state") == "stopped":
+        return "the controller stopped before the run finished"
+    age = time.time() - beat["time"]
+    return f"the controller's last heartbeat is {age:.0f} s old" if age > dead_secs else None
+
+
+def watch_run(run: RunDir, reason: list[str], interval: float = 1.0) -> None:
+    """Poll `why_stop`; when the run is over, record why and SIGTERM this process (the server's clean exit)."""
+    start = time.monotonic()
+    while (why := why_stop(run, time.monotonic() - start)) is None:
+        time.sleep(interval)
+    logging.info("run over (%s): stopping", why or "finished")
+    reason.append(why)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def role_main(run_dir: str | os.PathLike, role: str) -> int:
+    """Run one role until it ends; 0 on success. The callable that every launcher starts."""
+    run = RunDir(Path(run_dir))
+    index, n_tasks = task_of_job()
+    name = role if role == "controller" else f"{role}{index}"
     setup_logging(run.load_config().logging.level, name)
     # SIGTERM from the launcher or Slurm: leave through the normal exit path so that finally-blocks run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # USR2: Slurm's notice of preemption or of the time limit. Recover checkpoints are written on it once
+    # they exist; until then it must not kill the role (USR2's default action).
+    signal.signal(signal.SIGUSR2, lambda *_: logging.warning("USR2: preemption or time limit notice"))
     try:
-        if ns.role == "controller":
-            run_controller(run)
-        elif ns.role == "trainer":
-            run_trainer(run, ns.index)
+        if role == "controller":
+            with Heartbeat(run.root, "controller"):
+                run_controller(run)
+        elif role == "trainer":
+            run_trainer(run, index, n_tasks)
         else:
-            run_gen_server(run, ns.index)
+            run_gen_server(run, index)
     except SystemExit:
         raise
     except BaseException as exc:
@@ -117,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         abort(run.root, f"{type(exc).__name__}: {exc}", name)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="areal_hpc.launch.roles")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("role", choices=ROLES)
+    ns = parser.parse_args(argv)
+    return role_main(ns.run_dir, ns.role)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ class RunDir:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    def attempt_logs(self, attempt: int) -> Path:
+        """Role logs of one attempt (a requeued Slurm job or a restarted local run starts a new one)."""
+        return self.logs / f"attempt{attempt}"
+
     @property
     def stats(self) -> Path:
         return self.logs / "stats.jsonl"
