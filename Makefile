@@ -6,7 +6,7 @@ TINY ?= .cache/tiny
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv tiny test lint format docs demo bench clean
+.PHONY: help venv tiny test lint format docs demo bench clean slurm-up slurm-down
 
 help:
 	@echo "make test   - create the environment and run the whole test suite"
@@ -15,6 +15,7 @@ help:
 	@echo "make docs   - regenerate docs/config.md from the config schema"
 	@echo "make bench  - run the benchmarks (tools/bench_*.py)"
 	@echo "make tiny   - build the tiny model, tokenizer and toy data into $(TINY)"
+	@echo "make slurm-up / slurm-down - start / stop a real Slurm cluster on loopback (root; see README)"
 
 # The CPU build of torch is pinned first so that the package's `torch>=2.6` installs nothing more;
 # GPU clusters install their own CUDA torch before `pip install -e .`.
@@ -51,6 +52,14 @@ demo: $(STAMP) tiny
 
 bench: $(STAMP) tiny
 	@for b in tools/bench_*.py; do [ -e "$$b" ] || continue; echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# A real Slurm cluster on loopback (tools/slurm_local/cluster.py, standard library only, so no venv needed);
+# as root it installs the Debian packages when they are missing. AREAL_SLURM_ROOT / AREAL_SLURM_PORT_BASE move it.
+slurm-up:
+	python3 tools/slurm_local/cluster.py up
+
+slurm-down:
+	python3 tools/slurm_local/cluster.py down
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO_ROOT))  # `areal_hpc` and `tools` importable without
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+from tests.slurm import slurm_cluster  # noqa: E402, F401 (the fixture of tests marked slurm)
 from tools.build_tiny_model import TinyBuild, build, is_complete  # noqa: E402
 
 TINY_SEED = 1
