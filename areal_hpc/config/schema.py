@@ -39,6 +39,15 @@ class SlurmConfig:
     )
     extra_sbatch_lines: list[str] = opt([], "Extra '#SBATCH' options, one per item, e.g. '--reservation=x'.")
     setup_commands: list[str] = opt([], "Shell lines run before each step, e.g. 'module load cuda/12.4'.")
+    command_prefix: str | None = opt(
+        None, "Prefix of every role's command, e.g. a container: 'apptainer exec --nv /images/areal.sif'."
+    )
+    python: str | None = opt(None, "Python interpreter of the roles on the nodes (null: the submitting one).")
+    signal_grace_secs: int = opt(
+        120,
+        "Seconds before the time limit at which Slurm sends USR2 (time to write a recover checkpoint).",
+        ge=1,
+    )
 
 
 @dataclass

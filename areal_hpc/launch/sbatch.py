@@ -1,0 +1,76 @@
+"""sbatch script text of a launch plan, from the Jinja2 template in slurm_templates/. Pure: no file is written."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import subprocess
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+
+import jinja2
+
+from areal_hpc.config import ExperimentConfig
+from areal_hpc.launch.plan import Job, LaunchPlan, Step
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
+
+
+def srun_options(step: Step) -> str:
+    """The resources of one step; `--kill-on-bad-exit` ends the step when any of its tasks fails."""
+    opts = [f"--het-group={step.het_group}"] if step.het_group is not None else []
+    opts += [f"--nodes={step.nodes}", f"--ntasks={step.ntasks}", f"--ntasks-per-node={step.ntasks_per_node}"]
+    opts += [f"--cpus-per-task={step.cpus_per_task}"]
+    opts += [f"--gpus-per-node={step.gpus_per_node}"] if step.gpus_per_node else []
+    if step.overlap:
+        opts.append("--overlap")
+    opts.append("--kill-on-bad-exit=1")
+    return " ".join(opts)
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,  # a typo in the template fails loudly, not as an empty string
+        keep_trailing_newline=True,
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.filters["srun_options"] = srun_options
+    return env
+
+
+def render(plan: LaunchPlan, job: Job, cfg: ExperimentConfig, version: str) -> str:
+    """The sbatch script of one job of `plan`."""
+    prefix = plan.command_prefix.strip()
+    return (
+        _environment()
+        .get_template("job.sh.j2")
+        .render(
+            job=job,
+            kind=plan.kind,
+            version=version,
+            run_dir=plan.run_dir,
+            workdir=plan.workdir,
+            slurm_dir=plan.run_dir / "slurm",
+            slurm=asdict(cfg.cluster.slurm),
+            setup_commands=plan.setup_commands,
+            command_prefix=prefix + " " if prefix else "",
+            python=plan.python,
+        )
+    )
+
+
+def code_version() -> str:
+    """The package version, plus the git commit when running from a checkout (`+dirty` with local changes)."""
+    version = metadata.version("areal_hpc")
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty", "--abbrev=12"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return version
+    return f"{version}-{commit}" if commit else version

@@ -1,0 +1,92 @@
+#!/bin/bash
+# toy-cpu_golden: written by `areal-hpc submit` (areal_hpc 0.0-golden, hetjob layout).
+# Run directory: /shared/runs/toy-cpu/golden
+# component 0 (gen): gen_server
+#SBATCH --job-name=toy-cpu_golden
+#SBATCH --chdir=/home/u/rl
+#SBATCH --output=/shared/runs/toy-cpu/golden/slurm/%j_0_log.out
+#SBATCH --error=/shared/runs/toy-cpu/golden/slurm/%j_0_log.err
+#SBATCH --open-mode=append
+#SBATCH --requeue
+#SBATCH --signal=B:USR2@120
+#SBATCH --comment=areal_hpc-0.0-golden
+#SBATCH --partition=gen
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=1
+#SBATCH --gpus-per-node=1
+#SBATCH --mem=2G
+#SBATCH hetjob
+# component 1 (train): trainer, controller
+#SBATCH --partition=train
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=1
+#SBATCH --gpus-per-node=1
+#SBATCH --mem=2G
+
+set -uo pipefail
+export AREAL_RUN_DIR=/shared/runs/toy-cpu/golden
+# Roles read their rank and world from the job through submitit's JobEnvironment.
+export SUBMITIT_EXECUTOR=slurm
+export PYTHONUNBUFFERED=1
+# NVLink SHARP (NVLS) is never enabled: it hangs weight broadcasts on some fabrics.
+export NCCL_NVLS_ENABLE=0
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+
+attempt="${SLURM_RESTART_COUNT:-0}"
+logs="$AREAL_RUN_DIR/logs/attempt$attempt"
+mkdir -p "$logs"
+echo "areal-hpc: job ${SLURM_JOB_ID} attempt $attempt started on $(hostname) at $(date -Is)"
+
+names=()
+pids=()
+srun --het-group=0 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --gpus-per-node=1 --kill-on-bad-exit=1 --output="$logs/gen_server%t.log" \
+    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" gen_server &
+names+=(gen_server)
+pids+=($!)
+srun --het-group=1 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --gpus-per-node=1 --kill-on-bad-exit=1 --output="$logs/trainer%t.log" \
+    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" trainer &
+names+=(trainer)
+pids+=($!)
+srun --het-group=1 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/controller.log" \
+    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" controller &
+names+=(controller)
+pids+=($!)
+
+forward() {  # send a signal to every step; srun passes it on to the tasks
+    kill -s "$1" "${pids[@]}" 2>/dev/null
+}
+# Preemption or the time limit (--signal=B:USR2): the roles write a recover checkpoint.
+trap 'echo "areal-hpc: USR2 at $(date -Is)"; forward USR2' USR2
+trap 'forward TERM' TERM
+
+stop_steps() {  # TERM, then KILL whatever is left after the grace period
+    forward TERM
+    for _ in $(seq 20); do
+        alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && return
+        sleep 0.5
+    done
+    forward KILL
+}
+
+# Wait for the first step to end (a trapped signal also wakes `wait -n`, so look before deciding).
+while true; do
+    wait -n
+    rc=$?
+    ended=""
+    for i in "${!pids[@]}"; do
+        kill -0 "${pids[$i]}" 2>/dev/null || ended="${names[$i]}"
+    done
+    [ -z "$ended" ] && continue
+    if [ -e "$AREAL_RUN_DIR/FINISHED" ]; then
+        echo "areal-hpc: run finished; stopping the remaining steps"
+        stop_steps
+        exit 0
+    fi
+    echo "areal-hpc: step $ended ended (exit code $rc) before the run finished; ending the job" >&2
+    stop_steps
+    exit $(( rc == 0 ? 1 : rc ))
+done

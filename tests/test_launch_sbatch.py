@@ -1,0 +1,109 @@
+"""The sbatch text of the shipped configs, pinned by golden files (UPDATE_GOLDEN=1 pytest ... rewrites them)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import load_config
+from areal_hpc.launch.plan import PlanError, launch_plan
+from areal_hpc.launch.sbatch import render
+from areal_hpc.launch.submit import dry_run_text, prepare
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+PINNED = ["trial_name=golden", "cluster.slurm.python=/opt/areal/bin/python"]
+
+
+def config(*files, overrides=()):
+    return load_config([REPO / "configs" / f for f in files], [*PINNED, *overrides])
+
+
+def scripts_of(cfg):
+    plan = launch_plan(cfg, Path("/shared/runs") / cfg.experiment_name / "golden", workdir=Path("/home/u/rl"))
+    return plan, [render(plan, job, cfg, version="0.0-golden") for job in plan.jobs]
+
+
+CASES = {
+    "toy-hetjob": (("toy-cpu.yaml",), ()),
+    "toy-two-jobs": (("toy-cpu.yaml",), ("cluster.slurm.hetjob=false",)),
+    "qwen3-1.7b-8gpu": (("qwen3-1.7b-8gpu.yaml",), ()),
+    "qwen3-1.7b-32gpu": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rendered_sbatch_matches_the_golden_file_and_is_valid_bash(name, tmp_path):
+    files, overrides = CASES[name]
+    _, scripts = scripts_of(config(*files, overrides=overrides))
+    for i, text in enumerate(scripts):
+        golden = GOLDEN / f"{name}.{i}.sh"
+        if os.environ.get("UPDATE_GOLDEN"):
+            golden.write_text(text)
+        assert text == golden.read_text(), f"{golden} differs; UPDATE_GOLDEN=1 rewrites it after review"
+        script = tmp_path / golden.name
+        script.write_text(text)
+        subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_the_toy_is_one_heterogeneous_job_with_servers_in_component_0():
+    plan, (text,) = scripts_of(config("toy-cpu.yaml"))
+    assert plan.kind == "hetjob"
+    gen, train = plan.jobs[0].components
+    assert [s.role for s in gen.steps] == ["gen_server"]
+    assert [s.role for s in train.steps] == ["trainer", "controller"]
+    assert (gen.partition, train.partition) == ("gen", "train")
+    assert text.count("#SBATCH hetjob") == 1
+    assert "srun --het-group=0" in text and "srun --het-group=1" in text
+    assert "--kill-on-bad-exit=1" in text and "wait -n" in text
+
+
+def test_one_node_decoupled_runs_as_one_plain_job_with_gpus_split_between_steps():
+    plan, (text,) = scripts_of(config("qwen3-1.7b-8gpu.yaml"))
+    assert plan.kind == "single"
+    (component,) = plan.jobs[0].components
+    assert component.gpus_per_node == 8
+    assert [(s.role, s.gpus_per_node) for s in component.steps] == [
+        ("gen_server", 4),
+        ("trainer", 4),
+        ("controller", 0),
+    ]
+    assert "--het-group" not in text
+
+
+def test_site_options_reach_the_script():
+    overrides = [
+        "cluster.slurm.account=proj42",
+        "cluster.slurm.qos=high",
+        "cluster.slurm.time=2-00:00:00",
+        "cluster.slurm.exclude=n7",
+        "cluster.slurm.extra_sbatch_lines=['--reservation=rl']",
+        "cluster.slurm.setup_commands=['module load cuda/12.4']",
+        "cluster.slurm.command_prefix=apptainer exec --nv /img/areal.sif",
+    ]
+    _, (text,) = scripts_of(config("toy-cpu.yaml", overrides=overrides))
+    for line in ["#SBATCH --account=proj42", "#SBATCH --qos=high", "#SBATCH --time=2-00:00:00",
+                 "#SBATCH --exclude=n7", "#SBATCH --reservation=rl", "\nmodule load cuda/12.4\n",
+                 "apptainer exec --nv /img/areal.sif /opt/areal/bin/python -m areal_hpc.launch.roles"]:  # fmt: skip
+        assert line in text
+
+
+def test_a_layout_slurm_cannot_place_is_refused_naming_the_field():
+    # 4 nodes, generation on 4 GPUs: generation and training would share node 0.
+    cfg = config(
+        "qwen3-1.7b-8gpu.yaml", overrides=["cluster.n_nodes=4", "allocation_mode=sglang.d4p1m1+d7p2m2"]
+    )
+    with pytest.raises(PlanError, match="allocation_mode: generation and training share node 0"):
+        launch_plan(cfg, Path("/x"))
+    with pytest.raises(PlanError, match="colocated"):
+        launch_plan(config("toy-cpu.yaml", overrides=["allocation_mode=d2p1m1"]), Path("/x"))
+    with pytest.raises(PlanError, match="slurm.nodelist"):
+        launch_plan(config("toy-cpu.yaml", overrides=["cluster.slurm.nodelist=n1"]), Path("/x"))
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    cfg = config("toy-cpu.yaml", overrides=[f"cluster.fileroot={tmp_path}"])
+    text = dry_run_text(prepare(cfg))
+    assert "layout: hetjob" in text and "#SBATCH hetjob" in text
+    assert list(tmp_path.iterdir()) == []
