@@ -10,6 +10,9 @@ from pathlib import Path
 from areal_hpc.config import ConfigError, dump_yaml, load_config
 from areal_hpc.config.docs import render_markdown, render_options
 
+# Errors that end a launch verb with a message, not a traceback: a plan or allocation that cannot work
+# (ValueError, exit code 2), Slurm or a run directory that refuse (exit code 1).
+LAUNCH_ERRORS = (ValueError, LookupError, FileExistsError, RuntimeError, TimeoutError)
 DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
 
@@ -58,6 +61,78 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return run_local(cfg)
 
 
+def cmd_submit(ns: argparse.Namespace) -> int:
+    from areal_hpc.launch import submit
+
+    paths, overrides = split_args(ns.args)
+    sub = submit.prepare(load_config(paths, overrides))
+    if ns.dry_run:
+        print(submit.dry_run_text(sub), end="")
+        return 0
+    job_ids = submit.submit(sub)
+    print(submit.describe(sub))
+    print(f"submitted Slurm job(s) {', '.join(job_ids)}")
+    print(f"follow it: areal-hpc status {sub.run.root}   areal-hpc logs {sub.run.root} -f")
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from areal_hpc.launch import runs
+
+    selected = [runs.find_run(ns.run, ns.fileroot)] if ns.run else runs.list_runs(ns.fileroot)[-1:]
+    if not selected:
+        print(f"no runs under {ns.fileroot}")
+    for run in selected:
+        print("\n".join(runs.status_lines(run)))
+    return 0
+
+
+def cmd_stop(ns: argparse.Namespace) -> int:
+    from areal_hpc.launch import runs
+
+    run = runs.find_run(ns.run, ns.fileroot)
+    states = runs.stop(run, ns.timeout)
+    print("\n".join(f"slurm job {jid}: {state}" for jid, state in sorted(states.items())))
+    return 0
+
+
+def cmd_logs(ns: argparse.Namespace) -> int:
+    from areal_hpc.control.status import get_status
+    from areal_hpc.launch import runs
+
+    run = runs.find_run(ns.run, ns.fileroot)
+    find = lambda: runs.log_files(run, ns.role)  # noqa: E731
+    if ns.follow:
+        ended = lambda: (s := get_status(run.root)) is not None and s.final  # noqa: E731
+        runs.follow(find, sys.stdout, ended)
+        return 0
+    if not find():
+        print(f"no role logs yet in {run.logs}", file=sys.stderr)
+        return 1
+    for path in find():
+        print(f"==> {path} <==")
+        print(path.read_text(errors="replace"), end="")
+    return 0
+
+
+def cmd_list(ns: argparse.Namespace) -> int:
+    from areal_hpc.control.status import get_status
+    from areal_hpc.launch import runs
+
+    for run in runs.list_runs(ns.fileroot):
+        status = get_status(run.root)
+        jobs = ",".join(runs.job_ids(run)) or "local"
+        print(f"{run.root}  {status.state if status else 'NOT STARTED'}  jobs {jobs}")
+    return 0
+
+
+def add_run_arg(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument(
+        "run", nargs=None if required else "?", help="run directory, or experiment/trial under the fileroot"
+    )
+    parser.add_argument("--fileroot", default="~/areal_hpc", help="cluster.fileroot of the run")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal-hpc", description="Asynchronous RL for LLM reasoning on Slurm clusters."
@@ -78,6 +153,32 @@ def build_parser() -> argparse.ArgumentParser:
     run = verbs.add_parser("run", help="run every role of a config as local processes (CPU or one node)")
     run.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="YAML files, then overrides")
     run.set_defaults(func=cmd_run)
+
+    submit = verbs.add_parser(
+        "submit", help="submit a config as a Slurm job (heterogeneous: generation + training)"
+    )
+    submit.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="YAML files, then overrides")
+    submit.add_argument(
+        "--dry-run", action="store_true", help="print the plan and sbatch text; write nothing"
+    )
+    submit.set_defaults(func=cmd_submit)
+    status = verbs.add_parser(
+        "status", help="Slurm state, step, reward and ETA of a run (default: the latest)"
+    )
+    add_run_arg(status, required=False)
+    status.set_defaults(func=cmd_status)
+    stop = verbs.add_parser("stop", help="cancel a run's Slurm jobs; returns once every component has ended")
+    add_run_arg(stop)
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the jobs to end")
+    stop.set_defaults(func=cmd_stop)
+    logs = verbs.add_parser("logs", help="print the role logs of a run's latest attempt")
+    add_run_arg(logs)
+    logs.add_argument("--role", help="only this role: controller, gen_server, trainer, or e.g. trainer1")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
+    logs.set_defaults(func=cmd_logs)
+    listing = verbs.add_parser("list", help="list runs under the fileroot with their state and Slurm jobs")
+    listing.add_argument("--fileroot", default="~/areal_hpc", help="cluster.fileroot of the runs")
+    listing.set_defaults(func=cmd_list)
     return parser
 
 
@@ -88,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"areal-hpc: {e}", file=sys.stderr)
         return 2
+    except LAUNCH_ERRORS as e:
+        print(f"areal-hpc {ns.verb}: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
 
 
 if __name__ == "__main__":

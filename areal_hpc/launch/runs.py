@@ -1,0 +1,114 @@
+"""Submitted runs as a user sees them: find, list, status, stop, logs (`areal-hpc status|stop|logs|list`)."""
+
+from __future__ import annotations
+
+import getpass
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TextIO
+
+from areal_hpc.control import fsio
+from areal_hpc.control.status import get_status
+from areal_hpc.launch import slurm
+from areal_hpc.launch.rundir import RunDir
+from areal_hpc.monitor.progress import progress_line
+
+DEFAULT_FILEROOT = "~/areal_hpc"
+
+
+class RunNotFound(LookupError):
+    pass
+
+
+def find_run(name: str, fileroot: str = DEFAULT_FILEROOT) -> RunDir:
+    """A run directory given as a path, or as `experiment/trial` under `<fileroot>/<user>`."""
+    for candidate in (Path(name), Path(fileroot).expanduser() / getpass.getuser() / name):
+        if (candidate / "config.yaml").is_file():
+            return RunDir(candidate.resolve())
+    raise RunNotFound(f"no run {name!r}: give its directory, or experiment/trial under {fileroot}/<user>")
+
+
+def list_runs(fileroot: str = DEFAULT_FILEROOT) -> list[RunDir]:
+    """Every run under `<fileroot>/<user>`, oldest first."""
+    user_root = Path(fileroot).expanduser() / getpass.getuser()
+    runs = [RunDir(p.parent) for p in user_root.glob("*/*/config.yaml")]
+    return sorted(runs, key=lambda r: r.config.stat().st_mtime)
+
+
+def slurm_jobs(run: RunDir) -> list[dict]:
+    """The Slurm jobs recorded at submission ([] for a local run)."""
+    record = fsio.read_json(run.root / "slurm" / "jobs.json")
+    return record["jobs"] if record else []
+
+
+def job_ids(run: RunDir) -> list[str]:
+    return [j["job_id"] for j in slurm_jobs(run)]
+
+
+def status_lines(run: RunDir) -> list[str]:
+    """Slurm state of each component, the run's own state, and step, reward and ETA."""
+    lines = [f"run {run.root}"]
+    for job in slurm_jobs(run):
+        states = slurm.component_states(job["job_id"])
+        for (component_id, state), name in zip(sorted(states.items()), job["components"], strict=False):
+            lines.append(f"  slurm job {component_id} ({name}): {state}")
+        if not states:
+            lines.append(f"  slurm job {job['job_id']}: not known to sacct yet")
+    status = get_status(run.root)
+    if status is None:
+        lines.append("  run: not started")
+    else:
+        why = f" ({status.role}: {status.reason})" if status.reason else ""
+        lines.append(f"  run: {status.state}{why}")
+    progress = fsio.read_json(run.progress)
+    if progress:
+        lines.append("  " + progress_line(progress))
+    return lines
+
+
+def stop(run: RunDir, timeout: float = 60.0) -> dict[str, str]:
+    """scancel every job of the run; returns the final state of each component once all have ended."""
+    ids = job_ids(run)
+    if not ids:
+        raise RunNotFound(f"{run.root} has no Slurm jobs (a local run stops with Ctrl-C)")
+    slurm.cancel(ids)
+    return slurm.wait_final(ids, timeout)
+
+
+def log_files(run: RunDir, role: str | None = None) -> list[Path]:
+    """Role logs of the latest attempt (all roles, or those named `role`, e.g. `trainer` or `trainer1`)."""
+    attempts = sorted(run.logs.glob("attempt*"), key=lambda p: int(p.name.removeprefix("attempt") or 0))
+    files = sorted(attempts[-1].glob("*.log")) if attempts else []
+    return [f for f in files if role is None or f.stem == role or f.stem.rstrip("0123456789") == role]
+
+
+def follow(
+    find: Callable[[], list[Path]], out: TextIO, done: Callable[[], bool], interval: float = 0.5
+) -> None:
+    """Print what is appended to the files `find()` returns until `done()` (like `tail -f` on several files)."""
+    offsets: dict[Path, int] = {}
+    while True:
+        finished = done()
+        for path in find():
+            offsets.setdefault(path, 0)
+        for path, text in _new_text(offsets):
+            out.write("".join(f"{path.stem}: {line}\n" for line in text.splitlines()))
+        out.flush()
+        if finished:
+            return
+        time.sleep(interval)
+
+
+def _new_text(offsets: dict[Path, int]) -> Iterator[tuple[Path, str]]:
+    for path, offset in offsets.items():
+        if not path.is_file():
+            continue
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+        # Only whole lines: a line still being written is printed once it ends.
+        end = data.rfind(b"\n") + 1
+        offsets[path] = offset + end
+        if end:
+            yield path, data[:end].decode(errors="replace")

@@ -1,0 +1,117 @@
+"""`areal-hpc submit` on the real local Slurm cluster: the toy as one heterogeneous job, stop, a crash, two jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import load_config
+from areal_hpc.control import fsio
+from areal_hpc.control.status import finished_path, get_status
+from areal_hpc.launch import runs, slurm, submit
+from areal_hpc.monitor.stats import read_stats
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster, monkeypatch):
+    """Slurm's commands (sbatch, sacct, scancel) and submitit see the local cluster."""
+    for key, value in slurm_cluster.env().items():
+        monkeypatch.setenv(key, value)
+    return slurm_cluster
+
+
+def submit_toy(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, steps: int, *extra: str):
+    overrides = [
+        f"cluster.fileroot={tmp_path}",
+        f"trial_name={trial}",
+        f"actor.path={tiny_model_dir}",
+        f"dataset.path={data / 'train.jsonl'}",
+        f"dataset.valid_path={data / 'test.jsonl'}",
+        "dataset.train_bs_n_seqs=4",
+        "group_size=2",
+        "ppo.gen.max_new_tokens=6",
+        f"exp_ctrl.benchmark_steps={steps}",
+        *extra,
+    ]
+    sub = submit.prepare(load_config([ROOT / "configs/toy-cpu.yaml"], overrides))
+    return sub.run, submit.submit(sub)
+
+
+def wait_for_step(run, step: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (fsio.read_json(run.progress) or {}).get("step", 0) < step:
+        status = get_status(run.root)
+        assert status is None or status.state != "ABORTED", status
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s; logs: {runs.log_files(run)}"
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def easy_data(tiny_build) -> Path:
+    return tiny_build.root / "data" / "easy"
+
+
+def test_toy_runs_as_one_heterogeneous_job_and_both_components_complete(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "het", steps=2)
+    states = slurm.wait_final([job_id], timeout=180)
+    assert states == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}, runs.log_files(run)
+    assert slurm.job(run.root / "slurm", job_id).state == "COMPLETED"  # submitit's Job sees the N+0 row
+    assert [r["step"] for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r] == [1, 2]
+    assert finished_path(run.root).exists()
+    logs = {p.name for p in runs.log_files(run)}
+    assert logs == {"controller.log", "gen_server0.log", "trainer0.log"}  # logs/attempt0/
+    assert any("job" in line and "COMPLETED" in line for line in runs.status_lines(run))
+
+
+def test_stop_cancels_every_component_within_10_seconds(slurm_env, tmp_path, tiny_model_dir, easy_data):
+    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "stop", steps=1000)
+    wait_for_step(run, 1)
+    start = time.monotonic()
+    states = runs.stop(run, timeout=10)
+    assert time.monotonic() - start <= 10
+    assert set(states.values()) == {"CANCELLED"}
+
+
+def test_a_crashing_trainer_fails_the_whole_job_within_30_seconds(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "crash", steps=1000)
+    wait_for_step(run, 1)
+    os.kill(role_pid(run, "trainer"), signal.SIGKILL)
+    start = time.monotonic()
+    states = slurm.wait_final([job_id], timeout=30)
+    assert time.monotonic() - start <= 30
+    assert set(states.values()) == {"FAILED"}, states
+    err = next((run.root / "slurm").glob("*_0_log.err")).read_text()
+    assert "step trainer ended" in err or "step controller ended" in err, err
+
+
+def test_two_jobs_meet_through_the_run_directory_when_hetjobs_are_off(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    run, job_ids = submit_toy(tmp_path, tiny_model_dir, easy_data, "two", 2, "cluster.slurm.hetjob=false")
+    assert len(job_ids) == 2
+    states = slurm.wait_final(job_ids, timeout=180)
+    assert set(states.values()) == {"COMPLETED"}, (states, runs.log_files(run))
+    assert get_status(run.root).state == "COMPLETE"
+
+
+def role_pid(run, role: str) -> int:
+    """pid of a role process of `run`, found in /proc (the local cluster's nodes are this machine)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "areal_hpc.launch.roles" in args and role in args and str(run.root) in args:
+            return int(proc.name)
+    raise LookupError(f"no {role} process of {run.root}")
