@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.launch.plan import PlanError, launch_plan
 from areal_hpc.launch.sbatch import render
@@ -106,4 +107,27 @@ def test_dry_run_writes_nothing(tmp_path):
     cfg = config("toy-cpu.yaml", overrides=[f"cluster.fileroot={tmp_path}"])
     text = dry_run_text(prepare(cfg))
     assert "layout: hetjob" in text and "#SBATCH hetjob" in text
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cluster.slurm.nodelist=n1", "cluster.slurm.nodelist"),
+        ("allocation_mode=d2p1m1", "allocation_mode"),
+        ("cluster.slurm.cpus_per_gpu=0", "cluster.slurm.cpus_per_gpu"),
+    ],
+)
+def test_submit_refuses_a_bad_config_before_writing_anything(tmp_path, capsys, override, message):
+    code = main(["submit", str(REPO / "configs/toy-cpu.yaml"), f"cluster.fileroot={tmp_path}", override])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_submit_without_slurm_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code = main(["submit", str(REPO / "configs/toy-cpu.yaml"), f"cluster.fileroot={tmp_path}"])
+    assert code == 1
+    assert "sbatch is not on PATH" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

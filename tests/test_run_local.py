@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+import submitit
 
 from areal_hpc.config import load_config
 from areal_hpc.control.ledger import Ledger
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
-from areal_hpc.launch.rundir import run_dir_of
+from areal_hpc.launch.roles import role_main
+from areal_hpc.launch.rundir import create_run_dir, run_dir_of
 from areal_hpc.monitor.stats import read_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,3 +129,22 @@ def test_ctrl_c_stops_every_role(tmp_path, tiny_model_dir, easy_data):
     assert proc.returncode == 130 and "interrupted" in err
     assert role_pids(run_root) == {}
     assert get_status(run_root).state == "ABORTED"
+
+
+def test_submitit_local_executor_starts_the_same_entry_point(tmp_path, tiny_model_dir, easy_data):
+    """Each role as a submitit LocalExecutor job: two trainer tasks learn ranks 0 and 1 from the job."""
+    cfg = load_config(
+        [ROOT / "configs/toy-cpu.yaml"], toy_overrides(tmp_path, tiny_model_dir, easy_data, "submitit", 2)
+    )
+    run = create_run_dir(cfg)
+
+    def submit(role: str, tasks: int):
+        executor = submitit.LocalExecutor(folder=tmp_path / "submitit")
+        executor.update_parameters(tasks_per_node=tasks, timeout_min=5)
+        return executor.submit(role_main, run.root, role)
+
+    jobs = [submit("gen_server", 1), submit("trainer", 2), submit("controller", 1)]
+    assert [job.results() for job in jobs] == [[0], [0, 0], [0]]
+    assert get_status(run.root).state == "COMPLETE"
+    assert [r["step"] for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r] == [1, 2]
+    assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r)

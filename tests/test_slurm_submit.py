@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.control import fsio
 from areal_hpc.control.status import finished_path, get_status
@@ -27,8 +28,8 @@ def slurm_env(slurm_cluster, monkeypatch):
     return slurm_cluster
 
 
-def submit_toy(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, steps: int, *extra: str):
-    overrides = [
+def toy_overrides(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, steps: int) -> list[str]:
+    return [
         f"cluster.fileroot={tmp_path}",
         f"trial_name={trial}",
         f"actor.path={tiny_model_dir}",
@@ -38,8 +39,11 @@ def submit_toy(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, ste
         "group_size=2",
         "ppo.gen.max_new_tokens=6",
         f"exp_ctrl.benchmark_steps={steps}",
-        *extra,
     ]
+
+
+def submit_toy(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, steps: int, *extra: str):
+    overrides = [*toy_overrides(tmp_path, tiny_model_dir, data, trial, steps), *extra]
     sub = submit.prepare(load_config([ROOT / "configs/toy-cpu.yaml"], overrides))
     return sub.run, submit.submit(sub)
 
@@ -59,17 +63,32 @@ def easy_data(tiny_build) -> Path:
 
 
 def test_toy_runs_as_one_heterogeneous_job_and_both_components_complete(
-    slurm_env, tmp_path, tiny_model_dir, easy_data
+    slurm_env, tmp_path, tiny_model_dir, easy_data, capsys
 ):
-    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "het", steps=2)
-    states = slurm.wait_final([job_id], timeout=180)
+    args = [
+        "submit",
+        str(ROOT / "configs/toy-cpu.yaml"),
+        *toy_overrides(tmp_path, tiny_model_dir, easy_data, "het", 2),
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "layout: hetjob" in out and "submitted Slurm job(s)" in out
+    run = runs.find_run("toy-cpu/het", fileroot=str(tmp_path))
+    (job_id,) = runs.job_ids(run)
+    assert main(["logs", str(run.root), "--role", "controller", "-f"]) == 0  # returns once the run ends
+    assert "controller: " in capsys.readouterr().out
+    states = slurm.wait_final([job_id], timeout=60)
     assert states == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}, runs.log_files(run)
     assert slurm.job(run.root / "slurm", job_id).state == "COMPLETED"  # submitit's Job sees the N+0 row
     assert [r["step"] for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r] == [1, 2]
     assert finished_path(run.root).exists()
     logs = {p.name for p in runs.log_files(run)}
     assert logs == {"controller.log", "gen_server0.log", "trainer0.log"}  # logs/attempt0/
-    assert any("job" in line and "COMPLETED" in line for line in runs.status_lines(run))
+    assert main(["status", "toy-cpu/het", "--fileroot", str(tmp_path)]) == 0
+    status = capsys.readouterr().out
+    assert f"slurm job {job_id}+1 (train): COMPLETED" in status and "run: COMPLETE" in status
+    assert main(["list", "--fileroot", str(tmp_path)]) == 0
+    assert f"COMPLETE  jobs {job_id}" in capsys.readouterr().out
 
 
 def test_stop_cancels_every_component_within_10_seconds(slurm_env, tmp_path, tiny_model_dir, easy_data):

@@ -9,6 +9,7 @@ everything else comes from the run directory (config, secret, registry).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -180,20 +181,22 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
     # USR2: Slurm's notice of preemption or of the time limit. Recover checkpoints are written on it once
     # they exist; until then it must not kill the role (USR2's default action).
     signal.signal(signal.SIGUSR2, lambda *_: logging.warning("USR2: preemption or time limit notice"))
-    try:
-        if role == "controller":
-            with Heartbeat(run.root, "controller"):
+    # The controller beats for servers in a job of their own; a failure is recorded (abort) before its
+    # heartbeat says "stopped", so that servers report the failure's cause, not the stop.
+    with Heartbeat(run.root, name) if role == "controller" else contextlib.nullcontext():
+        try:
+            if role == "controller":
                 run_controller(run)
-        elif role == "trainer":
-            run_trainer(run, index, n_tasks)
-        else:
-            run_gen_server(run, index)
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        logging.error("%s failed:\n%s", name, traceback.format_exc())
-        abort(run.root, f"{type(exc).__name__}: {exc}", name)
-        return 1
+            elif role == "trainer":
+                run_trainer(run, index, n_tasks)
+            else:
+                run_gen_server(run, index)
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            logging.error("%s failed:\n%s", name, traceback.format_exc())
+            abort(run.root, f"{type(exc).__name__}: {exc}", name)
+            return 1
     return 0
 
 
