@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_hpc.gen.client import GenClient, GenServerError
 from areal_hpc.gen.server import ServerSetupError, main, read_token
+from areal_hpc.weights.disk import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-secret-token"
@@ -188,6 +190,9 @@ def test_update_weights_from_disk_changes_outputs_and_version(client, model, tin
         for p in perturbed.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.5)
     perturbed.save_pretrained(tmp_path / "v5")
+    write_manifest(tmp_path / "v5")  # a snapshot is complete once its manifest is there
+    original = shutil.copytree(tiny_model_dir, tmp_path / "original")
+    write_manifest(original)
     before = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
 
     running, box = in_thread(client.generate, [2, 7, 1], LONG)
@@ -201,7 +206,7 @@ def test_update_weights_from_disk_changes_outputs_and_version(client, model, tin
 
     with pytest.raises(GenServerError, match=r"HTTP 400.*failed to load weights"):
         client.update_weights_from_disk(str(tmp_path / "missing"), weight_version=6)
-    client.update_weights_from_disk(str(tiny_model_dir), weight_version=6)
+    client.update_weights_from_disk(str(original), weight_version=6)
     again = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
     assert again["output_ids"] == before["output_ids"] and again["meta_info"]["weight_version"] == "6"
 

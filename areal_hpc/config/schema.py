@@ -128,6 +128,7 @@ class GenerationConfig:
     temperature: float = opt(1.0, "Sampling temperature (also divides logits in training).", gt=0)
     top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
     top_k: int = opt(-1, "Sample among the k most likely tokens; -1: all.", ge=-1)
+    stop_token_ids: list[int] = opt([], "Token ids that end an answer besides the tokenizer's EOS tokens.")
 
 
 @dataclass
@@ -228,6 +229,34 @@ class ExperimentConfig:
     dataset: DatasetConfig = opt(DatasetConfig, "Training prompts and batch size.")
     group_size: int = opt(16, "Answers sampled per prompt.", ge=1)
     ppo: PPOConfig = opt(PPOConfig, "The PPO/GRPO algorithm.")
+    async_rl: bool = opt(
+        False,
+        "Asynchronous RL: a rollout role generates while the trainers train (REFERENCE.md section 4); "
+        "false: each step generates, then trains.",
+    )
+    interruptible_generation: bool = opt(
+        True,
+        "Async: a weight update interrupts running requests, which continue on the new weights; false: "
+        "the update waits for them to finish.",
+    )
+    weight_update_mode: str = opt(
+        "broadcast",
+        "How new weights reach the generation servers after a train step: broadcast (trainer rank 0 sends them "
+        "over a torch.distributed group of its own with every server: NCCL on GPU, gloo on CPU) or disk (rank 0 "
+        "saves a safetensors snapshot with a manifest in the run directory; each server loads it).",
+        choices=("broadcast", "disk"),
+    )
+    weight_update_timeout_secs: float = opt(
+        300.0,
+        "Longest wait of one weight update (group setup, a broadcast, a server's load); past it the run fails "
+        "with the server or trainer rank that did not finish.",
+        gt=0,
+    )
+    weight_update_bucket_mb: int = opt(
+        512,
+        "Broadcast mode: weights travel in buckets of at most this many MiB (one flat buffer each).",
+        ge=1,
+    )
     max_head_offpolicyness: int = opt(4, "Staleness bound eta; 0 reproduces synchronous PPO.", ge=0)
     max_concurrent_rollouts: int | None = opt(
         None, "Rollouts in flight at once; null: dataset.train_bs_n_seqs.", ge=1

@@ -70,17 +70,88 @@ class GenClient:
     # --- weights and cache --------------------------------------------------------------------------------
 
     def update_weights_from_disk(
-        self, model_path: str, weight_version: str | int | None = None, abort_all_requests: bool = True
+        self,
+        model_path: str,
+        weight_version: str | int | None = None,
+        abort_all_requests: bool = True,
+        timeout: float | None = None,
     ) -> dict:
         """Make the server load the HF weights in ``model_path``; raises GenServerError unless it succeeded."""
         body: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        result = self._call("POST", "/update_weights_from_disk", body)
-        if not result.get("success", False):
-            raise GenServerError(
-                self.url, "/update_weights_from_disk", 200, result.get("message", str(result))
-            )
+        return self._succeed("/update_weights_from_disk", body, timeout)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        group_timeout: float | None = None,
+        timeout: float | None = None,
+    ) -> dict:
+        """Make the server join the weight group whose store rank 0 serves at ``master_address:master_port``.
+
+        The server's rank is ``rank_offset`` (plus its TP rank on SGLang); the call returns once every rank of
+        the group joined. ``group_timeout`` bounds the group's waits on the built-in server (``timeout_secs``,
+        ignored by SGLang); ``timeout`` bounds the HTTP call.
+        """
+        body: dict[str, Any] = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        if group_timeout is not None:
+            body["timeout_secs"] = group_timeout  # ours: SGLang ignores it
+        return self._succeed("/init_weights_update_group", body, timeout)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = True,
+        load_format: str | None = None,
+        timeout: float | None = None,
+    ) -> dict:
+        """Make the server receive these tensors from rank 0 of the group and load them (SGLang's names).
+
+        With ``load_format="flattened_bucket"`` they come as one flat buffer, else one broadcast each. The call
+        returns once they are received and swapped in.
+        """
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        return self._succeed("/update_weights_from_distributed", body, timeout)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """Make the server leave the weight group."""
+        return self._succeed("/destroy_weights_update_group", {"group_name": group_name})
+
+    def _succeed(self, route: str, body: dict, timeout: float | None = None) -> dict:
+        """POST ``body``; raises GenServerError unless the answer says ``success``."""
+        result = self._call("POST", route, body, timeout)
+        if not isinstance(result, dict) or not result.get("success", False):
+            message = result.get("message", str(result)) if isinstance(result, dict) else str(result)
+            raise GenServerError(self.url, route, 200, message)
         return result
 
     def flush_cache(self) -> None:

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal_hpc.gen import kv
 from areal_hpc.gen.batch import Batch, Row
 from areal_hpc.gen.protocol import RequestError, SamplingParams
+from areal_hpc.weights.disk import verify_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class Engine:
         self._requests: dict[str, Request] = {}  # unfinished requests by rid
         self._controls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._paused = self._stopping = False
+        self._draining = False  # a weight update waits for running rows: admit none meanwhile
         self._update_lock = threading.Lock()  # one weight load at a time
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
@@ -220,19 +222,80 @@ class Engine:
         self._call(lambda: setattr(self, "_paused", False))
 
     def update_weights(self, model_path: str, weight_version: Any = None, abort_all: bool = True) -> str:
-        """Load new weights from an HF directory and swap them in between two decode steps; returns the version."""
+        """Load new weights from an HF snapshot folder (refused without a valid manifest) and swap them in
+        between two decode steps; returns the new version."""
+
+        def load() -> Callable[[], None]:
+            verify_snapshot(model_path)
+            model = load_model(str(model_path), self.device, self.dtype)
+
+            def apply() -> None:
+                self._batch.set_model(model)
+                self.model_path = str(model_path)
+
+            return apply
+
+        return self._update(load, weight_version, abort_all)
+
+    def update_weights_from_tensors(
+        self,
+        receive: Callable[[], list[tuple[str, torch.Tensor]]],
+        weight_version: Any = None,
+        abort_all: bool = True,
+    ) -> str:
+        """Copy named tensors (HF state-dict names) into the model between two decode steps; returns the version.
+
+        ``receive()`` runs off the engine thread (generation goes on while tensors arrive); names must be in
+        the model's state dict with the same shapes, and are checked before anything is copied. Tied weights
+        may come under each of their names: each copy writes the one shared tensor.
+        """
+
+        def load() -> Callable[[], None]:
+            named = receive()
+            params = self._batch.model.state_dict(keep_vars=True)
+            unknown = [name for name, _ in named if name not in params]
+            if unknown:
+                raise KeyError(f"the model has no weights named {unknown[:5]} ({len(unknown)} unknown)")
+            for name, tensor in named:
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(
+                        f"{name}: shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
+                    )
+
+            def apply() -> None:
+                with torch.no_grad():
+                    for name, tensor in named:
+                        params[name].copy_(tensor)
+
+            return apply
+
+        return self._update(load, weight_version, abort_all)
+
+    def _update(self, load: Callable[[], Callable[[], None]], weight_version: Any, abort_all: bool) -> str:
+        """One weight update at a time: ``load()`` off the engine thread, then its result applied on it."""
         with self._update_lock:
-            model = load_model(str(model_path), self.device, self.dtype)  # slow: done off the engine thread
+            if not abort_all:  # SGLang's behaviour: running requests finish first, new ones wait
+                self._drain()
+            apply = load()  # slow: reading files or receiving tensors
 
             def swap() -> str:
                 if abort_all:
                     self._abort_now(lambda req: True, "aborted for a weight update")
-                self._batch.set_model(model)
-                self.model_path = str(model_path)
+                apply()
+                self._draining = False
                 self.weight_version = _next_version(self.weight_version, weight_version)
                 return self.weight_version
 
-            return self._call(swap)
+            try:
+                return self._call(swap)
+            finally:
+                self._draining = False
+
+    def _drain(self, poll: float = 0.01) -> None:
+        """Stop admitting rows and wait until the running ones have finished."""
+        self._call(lambda: setattr(self, "_draining", True))
+        while self._batch.rows and self.healthy:
+            time.sleep(poll)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread at the next step boundary and return its result."""
@@ -277,7 +340,8 @@ class Engine:
             return not self._stopping
 
     def _has_work(self) -> bool:
-        return bool(self._controls) or (not self._paused and bool(self._waiting or self._batch.rows))
+        admit = bool(self._waiting) and not self._draining
+        return bool(self._controls) or (not self._paused and (admit or bool(self._batch.rows)))
 
     def _step(self) -> None:
         """Run pending controls, admit waiting rows into free slots, then decode one token for the batch."""
@@ -285,7 +349,7 @@ class Engine:
         with self._cond:
             if self._paused:
                 return
-            free = max(self.max_batch_size - len(self._batch.rows), 0)
+            free = 0 if self._draining else max(self.max_batch_size - len(self._batch.rows), 0)
             admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         finished = self._batch.admit(admitted) if admitted else []
         finished += self._batch.step()

@@ -3,7 +3,13 @@
 Routes (JSON bodies; every route but ``/health`` needs ``Authorization: Bearer <token>``)::
 
     POST /generate                  SGLang's generate (input_ids or text, sampling_params, return_logprob, rid)
-    POST /update_weights_from_disk  {"model_path", "abort_all_requests", "weight_version"}
+    POST /update_weights_from_disk  {"model_path", "abort_all_requests", "weight_version"}; the folder must
+                                    hold a valid manifest.json (areal_hpc.weights.disk), else 400
+    POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
+                                    "group_name", "backend", "timeout_secs" (ours; SGLang has none)}
+    POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",
+                                    "flush_cache", "abort_all_requests" (default true), "load_format"}
+    POST /destroy_weights_update_group  {"group_name"}
     POST /abort_request             {"rid"} or {"abort_all": true}
     POST /pause_generation          {"mode": "abort" | "in_place" | "retract"}
     POST /continue_generation
@@ -42,11 +48,15 @@ import torch
 
 from areal_hpc.gen.engine import Engine, Request
 from areal_hpc.gen.protocol import RequestError, format_output, parse_generate
+from areal_hpc.weights.bucket import FieldError, metas_from_fields
+from areal_hpc.weights.receiver import FLATTENED, ReceiverGroups
 
 log = logging.getLogger("areal_hpc.gen.server")
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 PUBLIC_ROUTES = {"/health"}
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+WEIGHT_SYNC_TIMEOUT_S = 300.0  # a weight group's waits, unless /init_weights_update_group gives timeout_secs
 
 
 class ServerSetupError(RuntimeError):
@@ -86,6 +96,7 @@ class App:
 
     def __init__(self, engine: Engine, server_args: dict):
         self.engine, self.server_args = engine, server_args
+        self.weight_groups = ReceiverGroups(engine.device)
         tok = engine.tokenizer
         self.encode = (lambda text: tok(text)["input_ids"]) if tok is not None else None
         self.decode = (
@@ -94,6 +105,9 @@ class App:
         self.routes: dict[tuple[str, str], Callable[[dict], tuple[int, Any]]] = {
             ("POST", "/generate"): self.generate,
             ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
+            ("POST", "/init_weights_update_group"): self.init_weights_update_group,
+            ("POST", "/update_weights_from_distributed"): self.update_weights_from_distributed,
+            ("POST", "/destroy_weights_update_group"): self.destroy_weights_update_group,
             ("POST", "/abort_request"): self.abort_request,
             ("POST", "/pause_generation"): self.pause_generation,
             ("POST", "/continue_generation"): self.continue_generation,
@@ -144,6 +158,48 @@ class App:
             return 400, {"success": False, "message": f"failed to load weights from {path}: {exc}"}
         return 200, {"success": True, "message": f"weights loaded from {path}", "weight_version": version}
 
+    def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        """Join the weight group as rank ``rank_offset`` (this server has one rank); blocks until all joined."""
+        address = _field(body, "master_address", str)
+        port, rank, world_size = (_field(body, k, int) for k in ("master_port", "rank_offset", "world_size"))
+        name, backend = _group_name(body), body.get("backend", "nccl")
+        timeout = body.get("timeout_secs", WEIGHT_SYNC_TIMEOUT_S)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+            raise RequestError("timeout_secs", f"must be a number of seconds > 0, got {timeout!r}")
+        try:
+            self.weight_groups.init(address, port, rank, world_size, name, backend, float(timeout))
+        except Exception as exc:
+            log.warning("joining weight group %r failed: %s", name, exc)
+            return 400, {"success": False, "message": f"failed to join weight update group {name!r}: {exc}"}
+        return 200, {"success": True, "message": f"joined weight update group {name!r} as rank {rank}"}
+
+    def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
+        """Receive tensors from rank 0 of the group and swap them in (running requests abort by default)."""
+        try:
+            metas = metas_from_fields(body.get("names"), body.get("dtypes"), body.get("shapes"))
+        except FieldError as exc:
+            raise RequestError(exc.field, str(exc)) from None
+        load_format = body.get("load_format")
+        if load_format not in (None, FLATTENED):
+            raise RequestError("load_format", f"must be null or {FLATTENED!r}, got {load_format!r}")
+        name = _group_name(body)
+        abort_all = _flag(body, "abort_all_requests", True)
+        _flag(body, "flush_cache", True)  # no prefix cache here: nothing to flush
+        receive = lambda: self.weight_groups.receive(name, metas, flattened=load_format == FLATTENED)  # noqa: E731
+        try:
+            version = self.engine.update_weights_from_tensors(receive, body.get("weight_version"), abort_all)
+        except Exception as exc:
+            log.warning("weight update from group %r failed: %s", name, exc)
+            return 400, {"success": False, "message": f"failed to update weights from group {name!r}: {exc}"}
+        message = f"{len(metas)} tensors received from weight update group {name!r}"
+        return 200, {"success": True, "message": message, "weight_version": version}
+
+    def destroy_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        name = _group_name(body)
+        if not self.weight_groups.destroy(name):
+            return 400, {"success": False, "message": f"there is no weight update group {name!r} to destroy"}
+        return 200, {"success": True, "message": f"left weight update group {name!r}"}
+
     def abort_request(self, body: dict) -> tuple[int, Any]:
         rid, abort_all = body.get("rid"), _flag(body, "abort_all", False)
         if not abort_all and (not isinstance(rid, str) or not rid):
@@ -177,6 +233,20 @@ class App:
 
     def server_info(self, body: dict) -> tuple[int, Any]:
         return 200, {**self.server_args, **self.engine.info(), "backend": "areal_hpc-builtin"}
+
+
+def _field(body: dict, key: str, kind: type) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise RequestError(key, f"missing or not a{'n' if kind is int else ''} {kind.__name__}: {value!r}")
+    return value
+
+
+def _group_name(body: dict) -> str:
+    name = body.get("group_name", DEFAULT_GROUP)
+    if not isinstance(name, str) or not name:
+        raise RequestError("group_name", f"must be a non-empty string, got {name!r}")
+    return name
 
 
 def _flag(body: dict, key: str, default: bool) -> bool:

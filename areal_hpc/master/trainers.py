@@ -42,9 +42,14 @@ class TrainerGroup:
         """The same request on every rank (collectives such as save need every rank)."""
         return self.call(type, [payload] * self.n_ranks)
 
-    def wait(self, name: str, request_id: str) -> Any:
-        """A reply, checking every second that the ranks are still alive."""
-        deadline = time.monotonic() + self.timeout
+    def call_one(self, rank: int, type: str, payload: Any = None, timeout: float | None = None) -> Any:
+        """Request `type` on rank `rank` alone and wait for its result (no flush: for non-blocking types)."""
+        name = self.names[rank]
+        return self.wait(name, self.mailbox.post(name, type, payload), timeout)
+
+    def wait(self, name: str, request_id: str, timeout: float | None = None) -> Any:
+        """A reply within `timeout` (default: the group's), checking every second that the ranks are alive."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             try:
                 return self.mailbox.wait_reply(name, request_id, timeout=1.0)

@@ -27,6 +27,7 @@ from areal_hpc.data.batch import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
 from areal_hpc.train.models import DTYPES, copy_tokenizer, enable_checkpointing, load_model, save_model
+from areal_hpc.weights.disk import write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +252,9 @@ class TorchEngine:
 
     def save_hf(self, path: str | Path) -> Path | None:
         """Write the model as an HF directory at ``path`` (weights in the configured dtype, safetensors, plus
-        the source's tokenizer files), atomically: built under a temporary name, then renamed. Rank 0 writes;
-        other ranks return None at once (the caller synchronises if it must)."""
+        the source's tokenizer files and, last, a manifest of sizes and sha256), atomically: built under a
+        temporary name, then renamed. Rank 0 writes; other ranks return None at once (the caller synchronises
+        if it must)."""
         if dist.get_rank() != 0:
             return None
         path = Path(path)
@@ -261,6 +263,7 @@ class TorchEngine:
         tmp.mkdir(parents=True)
         save_model(self.model, tmp, self.dtype)
         copy_tokenizer(self.source_dir, tmp)
+        write_manifest(tmp)
         if path.exists():  # a directory cannot be renamed over a non-empty one: move the old one aside
             old = path.with_name(f".{path.name}.old{os.getpid()}")
             os.replace(path, old)

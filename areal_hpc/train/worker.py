@@ -4,12 +4,18 @@ Requests (from the master, through `control.worker.WorkerServer`): `model_config
 then the blocking `initialize`, `inference`, `train_step`, `save`, run at each `flush`. A payload names the
 batch files holding this rank's samples (`refs`, read with `data.batch.gather`) and, for inference, the file
 to write the outputs to.
+
+Weight publication over a broadcast group (`areal_hpc.weights`), asked of rank 0 alone and answered on arrival:
+`weight_group_store` (serve the group's store; reply its address), `init_weight_group` (join as rank 0 once
+every server joins; reply the bucket plan), `broadcast_weights` (send the actor's weights), and
+`destroy_weight_group`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 from typing import Any
 
 from areal_hpc import alloc
@@ -20,6 +26,7 @@ from areal_hpc.launch.rundir import RunDir
 from areal_hpc.master.trainers import trainer_name
 from areal_hpc.train import dist, interfaces
 from areal_hpc.train.engine import TorchEngine
+from areal_hpc.weights.sender import WeightSender, plan_payload
 
 logger = logging.getLogger("trainer")
 
@@ -30,6 +37,7 @@ class TrainerHandlers:
     def __init__(self, cfg: ExperimentConfig, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.engines: dict[str, TorchEngine] = {}
+        self.weight_sender = WeightSender()
 
     def model_config(self, payload: Any) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "initialized": bool(self.engines)}
@@ -89,6 +97,38 @@ class TrainerHandlers:
         path = self.engines[payload["model"]].save_hf(payload["path"])
         return {"path": None if path is None else str(path)}
 
+    # --- weight publication (rank 0 of the training group only) ---------------------------------------------
+
+    def weight_group_store(self, payload: dict) -> dict:
+        """Serve the store of weight group `group_name`; `{"master_address", "master_port", "backend"}`."""
+        self._only_rank0("weight_group_store")
+        port = self.weight_sender.open(payload["group_name"], payload["timeout_s"], payload.get("port", 0))
+        host = "127.0.0.1" if self.cfg.mode == "local" else socket.gethostname()
+        backend = "nccl" if self.engines["actor"].device.type == "cuda" else "gloo"
+        return {"master_address": host, "master_port": port, "backend": backend}
+
+    def init_weight_group(self, payload: dict) -> dict:
+        """Join the weight group as rank 0 (returns when every server joined); the bucket plan of the actor."""
+        self._only_rank0("init_weight_group")
+        actor = self.engines["actor"]
+        buckets = self.weight_sender.join(
+            payload["world_size"], payload["backend"], actor.model, actor.dtype, payload["bucket_bytes"]
+        )
+        return {"buckets": plan_payload(buckets)}
+
+    def broadcast_weights(self, payload: dict) -> dict:
+        """Broadcast the actor's current weights as planned; `{"bytes", "buckets", "secs"}`."""
+        self._only_rank0("broadcast_weights")
+        return self.weight_sender.send(self.engines["actor"].model)
+
+    def destroy_weight_group(self, payload: Any) -> dict:
+        self.weight_sender.close()
+        return {"destroyed": True}
+
+    def _only_rank0(self, request: str) -> None:
+        if self.rank != 0:
+            raise RuntimeError(f"{request} is for trainer rank 0 (the publishing rank), not rank {self.rank}")
+
 
 def serve_trainer(run: RunDir, rank: int) -> None:
     """Join the trainer process group, then serve this rank's mailbox until the master says stop."""
@@ -98,7 +138,9 @@ def serve_trainer(run: RunDir, rank: int) -> None:
     )
     world_size = allocation.n_train_gpus
     dist.init_distributed(rank, world_size, run.dist_init)
+    handlers = TrainerHandlers(cfg, rank, world_size)
     try:
-        WorkerServer(run.root, trainer_name(rank), TrainerHandlers(cfg, rank, world_size)).serve()
+        WorkerServer(run.root, trainer_name(rank), handlers).serve()
     finally:
+        handlers.weight_sender.close()
         dist.destroy()
