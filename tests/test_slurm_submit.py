@@ -114,6 +114,19 @@ def test_a_crashing_trainer_fails_the_whole_job_within_30_seconds(
     assert "step trainer ended" in err or "step controller ended" in err, err
 
 
+def test_asynchronous_toy_runs_its_rollout_role_in_the_training_component(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    run, (job_id,) = submit_toy(
+        tmp_path, tiny_model_dir, easy_data, "async", 3, "async_rl=true", "max_head_offpolicyness=1"
+    )
+    states = slurm.wait_final([job_id], timeout=180)
+    assert set(states.values()) == {"COMPLETED"}, (states, runs.log_files(run))
+    assert {p.name for p in runs.log_files(run)} >= {"rollout.log", "controller.log"}
+    steps = [r for r in read_stats(run.stats) if "ppo_actor/head_offpolicyness/max" in r]
+    assert len(steps) == 3 and all(r["ppo_actor/head_offpolicyness/max"] <= 1 for r in steps)
+
+
 def test_two_jobs_meet_through_the_run_directory_when_hetjobs_are_off(
     slurm_env, tmp_path, tiny_model_dir, easy_data
 ):

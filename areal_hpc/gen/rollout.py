@@ -7,6 +7,7 @@ prompts are spread round-robin over the servers, and all requests of a step are 
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,8 +40,15 @@ def sampling_params(cfg: ExperimentConfig) -> dict:
         "temperature": gen.temperature,
         "top_p": gen.top_p,
         "top_k": gen.top_k,
+        "stop_token_ids": list(gen.stop_token_ids),
         "n": cfg.group_size,
     }
+
+
+def prompt_seed(seed: int, query_id: str, epoch: int) -> int:
+    """The sampling seed of a prompt's group in an epoch, the same in the synchronous and asynchronous paths
+    (so that with max_head_offpolicyness 0 both sample the same answers)."""
+    return (seed * 1_000_003 + epoch * 7_919 + zlib.crc32(query_id.encode())) % 2**31
 
 
 def parse_answer(response: dict) -> Answer:
@@ -56,11 +64,14 @@ def parse_answer(response: dict) -> Answer:
     )
 
 
-def generate_groups(clients: Sequence, prompts: Sequence[PromptSample], params: dict) -> list[list[Answer]]:
+def generate_groups(
+    clients: Sequence, prompts: Sequence[PromptSample], params: dict, seeds: Sequence[int]
+) -> list[list[Answer]]:
     """group_size answers per prompt, all prompts in flight at once, prompt i on server i % len(servers)."""
 
     def one(i: int) -> list[Answer]:
-        responses = clients[i % len(clients)].generate([list(prompts[i].input_ids)], params)
+        request = {**params, "sampling_seed": seeds[i]}
+        responses = clients[i % len(clients)].generate([list(prompts[i].input_ids)], request)
         return [parse_answer(r) for r in responses]
 
     with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
@@ -101,11 +112,17 @@ def pack_groups(prompts: Sequence[PromptSample], groups: list[list[Answer]], suc
 
 
 def rollout_step(
-    clients: Sequence, verifier, prompts: Sequence[PromptSample], cfg: ExperimentConfig, path: Path
+    clients: Sequence,
+    verifier,
+    prompts: Sequence[PromptSample],
+    cfg: ExperimentConfig,
+    path: Path,
+    epoch: int,
 ) -> tuple[Path, dict]:
     """Generate, score and write the step's batch file; returns its path and rollout statistics."""
     start = time.monotonic()
-    groups = generate_groups(clients, prompts, sampling_params(cfg))
+    seeds = [prompt_seed(cfg.seed, p.query_id, epoch) for p in prompts]
+    groups = generate_groups(clients, prompts, sampling_params(cfg), seeds)
     gen_secs = time.monotonic() - start
     items = [(a.text, list(p.solutions)) for p, answers in zip(prompts, groups, strict=True) for a in answers]
     success = np.asarray(verifier.verify_batch(items), dtype=np.float32)

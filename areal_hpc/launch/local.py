@@ -46,6 +46,8 @@ def plan_roles(cfg: ExperimentConfig, run: RunDir) -> list[Role]:
     roles = [Role(f"gen_server{i}", [*entry, "gen_server"], task_env(i, n_servers)) for i in range(n_servers)]
     n_trainers = allocation.n_train_gpus
     roles += [Role(f"trainer{r}", [*entry, "trainer"], task_env(r, n_trainers)) for r in range(n_trainers)]
+    if cfg.async_rl and cfg.experiment_type == "ppo":
+        roles.append(Role("rollout", [*entry, "rollout"], task_env(0, 1)))
     roles.append(Role("controller", [*entry, "controller"], task_env(0, 1)))
     return roles
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from areal_hpc import alloc
 from areal_hpc.config import ExperimentConfig
 
+SINGLE_ROLES = ("controller", "rollout")  # one process per run: logs without a task number
+
 
 class PlanError(ValueError):
     """A config that cannot be laid out as Slurm jobs; the message names the field to change."""
@@ -42,7 +44,7 @@ class Step:
     @property
     def log_name(self) -> str:
         """Per-task log file name; srun replaces %t by the task's rank."""
-        return f"{self.role}.log" if self.role == "controller" else f"{self.role}%t.log"
+        return f"{self.role}.log" if self.role in SINGLE_ROLES else f"{self.role}%t.log"
 
 
 @dataclass(frozen=True)
@@ -117,15 +119,17 @@ def launch_plan(cfg: ExperimentConfig, run_dir: Path, workdir: Path | None = Non
         _train_step(cfg, allocation, len(train_nodes)),
     )
     controller = Step("controller", 1, 1, 0, 1, overlap=True)
+    # Asynchronous RL: the rollout role (CPU: generation manager, rollout workers, verifier) beside it.
+    side = (controller, Step("rollout", 1, 1, 0, 1, overlap=True)) if cfg.async_rl else (controller,)
     name = f"{cfg.experiment_name}_{cfg.trial_name}"
     if shared:  # one node
-        steps = (gen_step, train_step, controller)
+        steps = (gen_step, train_step, *side)
         jobs = (
             Job(name, (_component(cfg, "all", slurm.train_partition, 1, allocation.n_gpus_per_node, steps),)),
         )
     else:
         gen = _component(cfg, "gen", slurm.gen_partition, len(gen_nodes), gen_step.gpus_per_node, (gen_step,))
-        train_steps = (train_step, controller)
+        train_steps = (train_step, *side)
         train = _component(
             cfg, "train", slurm.train_partition, len(train_nodes), train_step.gpus_per_node, train_steps
         )

@@ -27,7 +27,7 @@ from areal_hpc.launch.rundir import RunDir
 
 START_TIMEOUT_SECS = 600.0
 CONTROLLER_DEAD_SECS = 60.0
-ROLES = ("controller", "gen_server", "trainer")
+ROLES = ("controller", "gen_server", "trainer", "rollout")
 
 
 class JobEnvironmentError(RuntimeError):
@@ -103,6 +103,66 @@ def run_controller(run: RunDir) -> None:
             trainers.stop()
 
 
+def run_rollout(run: RunDir) -> None:
+    """Asynchronous RL's rollout side: the generation manager and the rollout workers (threads), until the
+    run ends; the published weight version is read from the run directory."""
+    from transformers import AutoTokenizer
+
+    from areal_hpc import alloc
+    from areal_hpc.algo.math_verify import MathVerifier
+    from areal_hpc.data.dataset import ShardedSampler, load_prompt_dataset
+    from areal_hpc.data.store import RolloutStore
+    from areal_hpc.gen.client import GenClient
+    from areal_hpc.gen.manager import GenerationManager
+    from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker
+    from areal_hpc.master.loop import make_counter
+
+    cfg = run.load_config()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+    ds = cfg.dataset
+    train = load_prompt_dataset(ds.path, tokenizer, ds.max_prompt_len, ds.apply_chat_template)
+    allocation = alloc.resolve_allocation(
+        cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    )
+    n_servers = len(allocation.gen_servers())
+    clients = [GenClient(wait_gen_address(run, i)["url"], run.token()) for i in range(n_servers)]
+    total_steps = make_counter(
+        cfg, ShardedSampler(len(train), 0, 1, cfg.seed, ds.train_bs_n_seqs)
+    ).total_steps
+    max_concurrent = cfg.max_concurrent_rollouts or ds.train_bs_n_seqs
+    manager = GenerationManager(
+        n_servers, ds.train_bs_n_seqs, cfg.max_head_offpolicyness, max_concurrent, cfg.schedule_policy,
+        total_rollouts=total_steps * ds.train_bs_n_seqs,
+    )  # fmt: skip
+    stop = threading.Event()
+    n_workers = cfg.n_rollout_workers or allocation.n_train_gpus
+    with MathVerifier(n_workers=2) as verifier:
+        ctx = RolloutContext(cfg, train, clients, verifier, manager, RolloutStore(run.root), tokenizer, stop)
+        workers = [
+            RolloutWorker(i, n_workers, ctx, -(-max_concurrent // n_workers)) for i in range(n_workers)
+        ]
+        threads = [t for w in workers for t in w.threads()]
+        for t in threads:
+            t.start()
+        logging.info("%d rollout workers, %d threads, %d servers", n_workers, len(threads), n_servers)
+        start = time.monotonic()
+        try:
+            while (why := why_stop(run, time.monotonic() - start)) is None and not stop.is_set():
+                published = fsio.read_json(run.published_version)
+                if published:
+                    manager.set_version(published["version"])
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+    errors = [e for w in workers for e in w.errors]
+    if errors:
+        raise errors[0]
+    if why:
+        raise RunEndedError(why)
+
+
 def run_trainer(run: RunDir, rank: int, n_tasks: int) -> None:
     from areal_hpc import alloc
     from areal_hpc.train.worker import serve_trainer
@@ -174,21 +234,23 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
     """Run one role until it ends; 0 on success. The callable that every launcher starts."""
     run = RunDir(Path(run_dir))
     index, n_tasks = task_of_job()
-    name = role if role == "controller" else f"{role}{index}"
+    name = role if role in ("controller", "rollout") else f"{role}{index}"  # one controller, one rollout
     setup_logging(run.load_config().logging.level, name)
     # SIGTERM from the launcher or Slurm: leave through the normal exit path so that finally-blocks run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # USR2: Slurm's notice of preemption or of the time limit. Recover checkpoints are written on it once
     # they exist; until then it must not kill the role (USR2's default action).
     signal.signal(signal.SIGUSR2, lambda *_: logging.warning("USR2: preemption or time limit notice"))
-    # The controller beats for servers in a job of their own; a failure is recorded (abort) before its
+    # The controller beats for servers in a job of their own, the rollout role for the controller; a failure is recorded (abort) before its
     # heartbeat says "stopped", so that servers report the failure's cause, not the stop.
-    with Heartbeat(run.root, name) if role == "controller" else contextlib.nullcontext():
+    with Heartbeat(run.root, name) if role in ("controller", "rollout") else contextlib.nullcontext():
         try:
             if role == "controller":
                 run_controller(run)
             elif role == "trainer":
                 run_trainer(run, index, n_tasks)
+            elif role == "rollout":
+                run_rollout(run)
             else:
                 run_gen_server(run, index)
         except SystemExit:

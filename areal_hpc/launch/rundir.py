@@ -52,6 +52,11 @@ class RunDir:
         name = f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
         return self.root / "checkpoints" / role / name
 
+    @property
+    def published_version(self) -> Path:
+        """{"version": N}: the weight version the servers hold, written after each publication (async)."""
+        return self.root / "version.json"
+
     def gen_address(self, index: int) -> Path:
         return self.root / "gen_servers" / f"{index}.json"
 

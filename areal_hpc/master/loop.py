@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.control import fsio
+from areal_hpc.control.heartbeat import dead_workers
 from areal_hpc.control.ledger import Ledger
-from areal_hpc.data.batch import read_batch, read_keys, write_batch
+from areal_hpc.data.batch import read_attrs, read_batch, read_keys, write_batch
 from areal_hpc.data.dataset import PromptDataset, ShardedSampler
 from areal_hpc.data.sft import sft_arrays
+from areal_hpc.data.store import RolloutStore
 from areal_hpc.eval.heldout import greedy_accuracy
 from areal_hpc.gen.rollout import rollout_step
 from areal_hpc.launch.rundir import RunDir
@@ -28,8 +31,11 @@ from areal_hpc.master.freq import FrequencyControl
 from areal_hpc.master.graph import MFC
 from areal_hpc.monitor.progress import write_progress
 from areal_hpc.monitor.stats import StatsLog, step_line
+from areal_hpc.weights.publisher import make_publisher
 
 logger = logging.getLogger("master")
+STORE_POLL_SECS = 0.05
+ROLLOUT_DEAD_SECS = 60.0
 
 
 @dataclass
@@ -64,18 +70,36 @@ def make_counter(cfg: ExperimentConfig, sampler: ShardedSampler) -> StepCounter:
     return StepCounter(steps_per_epoch, cfg.exp_ctrl.total_train_epochs, total)
 
 
-def sample_metas(gen_path: str, prompts, group_size: int, lengths: list[int], keys, birth: float):
-    """Buffer entries of one rollout file: sample i of prompt p is row p * group_size + i."""
+def sample_metas(gen_path: str, groups: list[str], group_size: int, lengths: list[int], keys, birth: float):
+    """Buffer entries of one rollout file: sample i of group g is row g * group_size + i."""
     return [
         SampleMeta(
-            sample_id=f"{prompts[row // group_size].query_id}/{row % group_size}",
-            group=prompts[row // group_size].query_id,
+            sample_id=f"{groups[row // group_size]}/{row % group_size}",
+            group=groups[row // group_size],
             seqlen=lengths[row],
             birth_time=birth,
             keys={k: (gen_path, row) for k in keys},
         )
         for row in range(len(lengths))
     ]
+
+
+def rollout_stats(paths: list, attrs: list[dict]) -> dict[str, float]:
+    """Statistics of the groups a step trains on, as the synchronous rollout reports them."""
+    answer_lens, no_eos = [], []
+    for path in paths:
+        arrays = read_batch(path, keys=["prompt_mask", "seq_no_eos_mask"])
+        cu = arrays["cu_seqlens"]
+        answer_lens += [
+            int((~arrays["prompt_mask"][a:b]).sum()) for a, b in zip(cu[:-1], cu[1:], strict=True)
+        ]
+        no_eos += arrays["seq_no_eos_mask"].tolist()
+    return {
+        "rollout/answer_len/avg": float(np.mean(answer_lens)),
+        "rollout/no_eos_ratio": float(np.mean(no_eos)),
+        "rollout/interrupted_answers": float(sum(a["n_interrupted"] for a in attrs)),
+        "rollout/gen_secs/avg": float(np.mean([a["gen_secs"] for a in attrs])),
+    }
 
 
 class Master:
@@ -96,6 +120,7 @@ class Master:
         self.dataset, self.heldout = data
         self.trainers, self.clients, self.verifier, self.tokenizer = trainers, clients, verifier, tokenizer
         self.buffer = Buffer(graph)
+        self.store = RolloutStore(run.root)
         self.ledger = Ledger(run.root)
         self.eval_history: list[tuple[int, float]] = []
         self.sampler = ShardedSampler(len(self.dataset), 0, 1, cfg.seed, cfg.dataset.train_bs_n_seqs)
@@ -104,6 +129,7 @@ class Master:
         self.save_ctl = FrequencyControl(ctrl.save_freq_epochs, ctrl.save_freq_steps, ctrl.save_freq_secs)
         self.eval_ctl = FrequencyControl(ctrl.eval_freq_epochs, ctrl.eval_freq_steps, ctrl.eval_freq_secs)
         self.stats = StatsLog(run.stats)
+        self.publisher = None  # made at the first publish
 
     def run_mfc(self, mfc: MFC, step: int, n_samples: int) -> dict[str, float]:
         """One call on every rank: its data-parallel part in, outputs amended into the buffer."""
@@ -133,15 +159,12 @@ class Master:
         return stats
 
     def publish(self) -> dict[str, float]:
-        """Rank 0 saves the new actor weights; every server loads them; older snapshots are removed."""
-        start = time.monotonic()
+        """The next weight version to every server, as `weight_update_mode` says (`areal_hpc.weights`):
+        broadcast from trainer rank 0, or a snapshot on disk; `timeperf/weight_sync` and the bytes sent."""
         self.counter.version += 1
-        path = self.rundir.weights(self.counter.version)
-        self.trainers.call_all("save", {"model": "actor", "path": str(path)})
-        for client in self.clients:
-            client.update_weights_from_disk(str(path), self.counter.version)
-        shutil.rmtree(self.rundir.weights(self.counter.version - 1), ignore_errors=True)
-        return {"timeperf/weight_sync": time.monotonic() - start}
+        if self.publisher is None:  # made once: the broadcast group is set up at the first publish
+            self.publisher = make_publisher(self.cfg, self.rundir, self.trainers, self.clients)
+        return self.publisher.publish(self.counter.version)
 
     def finish_step(self, stats: dict[str, float], step_start: float) -> None:
         c = self.counter
@@ -186,34 +209,61 @@ class Master:
     def ppo_step(self) -> None:
         """Rollout, then every trainer call of the graph, then weight publication."""
         start, step = time.monotonic(), self.counter.global_step
+        epoch = self.sampler.epoch
         prompts = self.next_prompts()
         gen_path, stats = rollout_step(
-            self.clients, self.verifier, prompts, self.cfg, self.rundir.step_data(step) / "rollout.h5"
+            self.clients, self.verifier, prompts, self.cfg, self.rundir.step_data(step) / "rollout.h5", epoch
         )
-        self.add_samples(str(gen_path), prompts, self.cfg.group_size, birth=start)
+        self.add_samples(str(gen_path), [p.query_id for p in prompts], self.cfg.group_size, birth=start)
         for mfc in self.graph:
             stats |= self.run_mfc(mfc, step, len(prompts) * self.cfg.group_size)
         stats |= self.publish()
         self.end_of_step_data(step, prompts)
         self.finish_step(stats, start)
 
+    def async_step(self) -> None:
+        """Train on the oldest train_bs groups of the rollout store, then publish the new weights."""
+        start, step = time.monotonic(), self.counter.global_step
+        paths = self.wait_rollouts(self.cfg.dataset.train_bs_n_seqs)
+        attrs = [read_attrs(path) for path in paths]
+        for path in paths:  # a prompt may come back in a later epoch: the file names the group
+            self.add_samples(str(path), [path.stem], self.cfg.group_size, birth=start)
+        stats = rollout_stats(paths, attrs)
+        for mfc in self.graph:
+            stats |= self.run_mfc(mfc, step, len(paths) * self.cfg.group_size)
+        stats |= self.publish()
+        fsio.write_json(self.rundir.published_version, {"version": self.counter.version})
+        self.ledger.record(self.counter.epoch, step + 1, [a["query_id"] for a in attrs])
+        self.store.remove(paths)
+        shutil.rmtree(self.rundir.step_data(step), ignore_errors=True)
+        self.finish_step(stats, start)
+
+    def wait_rollouts(self, n: int) -> list:
+        """The n oldest groups of the store, once there; fails when the rollout role stopped beating."""
+        while (paths := self.store.oldest(n)) is None:
+            if dead_workers(self.rundir.root, ["rollout"], ROLLOUT_DEAD_SECS):
+                raise RuntimeError(f"the rollout role stopped (no heartbeat for {ROLLOUT_DEAD_SECS:.0f} s)")
+            time.sleep(STORE_POLL_SECS)
+        return paths
+
     def sft_step(self) -> None:
         """Supervised warm-up: next-token loss on the reference solutions of the step's prompts."""
         start, step = time.monotonic(), self.counter.global_step
         prompts = self.next_prompts()
         path = write_batch(self.rundir.step_data(step) / "sft.h5", sft_arrays(prompts, self.tokenizer))
-        self.add_samples(str(path), prompts, 1, birth=start)
+        self.add_samples(str(path), [p.query_id for p in prompts], 1, birth=start)
         stats = {}
         for mfc in self.graph:
             stats |= self.run_mfc(mfc, step, len(prompts))
         self.end_of_step_data(step, prompts)
         self.finish_step(stats, start)
 
-    def add_samples(self, path: str, prompts: list, group_size: int, birth: float) -> None:
+    def add_samples(self, path: str, groups: list[str], group_size: int, birth: float) -> None:
+        """Buffer entries of a batch file whose rows are `group_size` answers of each of `groups`."""
         arrays = read_batch(path, keys=[])
         lengths = np.diff(arrays["cu_seqlens"]).tolist()
         keys = [k for k in read_keys(path) if k != "cu_seqlens"]
-        self.buffer.add(sample_metas(path, prompts, group_size, lengths, keys, birth))
+        self.buffer.add(sample_metas(path, groups, group_size, lengths, keys, birth))
 
     def end_of_step_data(self, step: int, prompts: list) -> None:
         """Record the consumed prompts, then drop the step's data (the original's clear_data_cache)."""
@@ -223,7 +273,9 @@ class Master:
 
     def run(self) -> list[tuple[int, float]]:
         """All steps; held-out greedy accuracy before and after. Returns the evaluation history."""
-        step_fn = self.sft_step if self.cfg.experiment_type == "sft" else self.ppo_step
+        step_fn = {"sft": self.sft_step, "ppo": self.async_step if self.cfg.async_rl else self.ppo_step}[
+            self.cfg.experiment_type
+        ]
         logger.info(
             "Training %d steps (%d epochs of %d steps), graph %s",
             self.counter.total_steps,

@@ -16,7 +16,7 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --mem=512G
 #SBATCH hetjob
-# component 1 (train): trainer, controller
+# component 1 (train): trainer, controller, rollout
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=64
@@ -50,6 +50,10 @@ pids+=($!)
 srun --het-group=1 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/controller.log" \
     /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" controller &
 names+=(controller)
+pids+=($!)
+srun --het-group=1 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/rollout.log" \
+    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" rollout &
+names+=(rollout)
 pids+=($!)
 
 forward() {  # send a signal to every step; srun passes it on to the tasks

@@ -1,7 +1,7 @@
 #!/bin/bash
 # qwen3-1.7b-async_golden: written by `areal-hpc submit` (areal_hpc 0.0-golden, single layout).
 # Run directory: /shared/runs/qwen3-1.7b-async/golden
-# component 0 (all): gen_server, trainer, controller
+# component 0 (all): gen_server, trainer, controller, rollout
 #SBATCH --job-name=qwen3-1.7b-async_golden
 #SBATCH --chdir=/home/u/rl
 #SBATCH --output=/shared/runs/qwen3-1.7b-async/golden/slurm/%j_0_log.out
@@ -43,6 +43,10 @@ pids+=($!)
 srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/controller.log" \
     /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" controller &
 names+=(controller)
+pids+=($!)
+srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/rollout.log" \
+    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" rollout &
+names+=(rollout)
 pids+=($!)
 
 forward() {  # send a signal to every step; srun passes it on to the tasks

@@ -1,0 +1,95 @@
+"""Interruptible generation of one group: answers that survive weight updates (REFERENCE.md section 4).
+
+A weight update aborts the server's running requests; each returns what it has (finish reason abort). The
+answer is then continued: prompt + tokens so far are sent again with the remaining token budget, to the new
+weights. Tokens and behaviour logprobs are concatenated; the answer keeps the version of its first part
+(version_start) and takes that of its last part (version_end).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class PartialAnswer:
+    """One answer so far, possibly made of parts generated under several weight versions."""
+
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish: str  # stop | length | abort (abort: interrupted, to be continued)
+    version_start: int
+    version_end: int
+    parts: tuple[tuple[int, int], ...] = ()  # (tokens, weight version) of each part, in order
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.parts)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.finish == ABORT
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish != "stop"
+
+
+def from_response(response: dict) -> PartialAnswer:
+    """The first part of an answer, from one /generate response object."""
+    meta = response["meta_info"]
+    ids = tuple(int(t) for t in response["output_ids"])
+    logprobs = tuple(float(item[0]) for item in meta["output_token_logprobs"])
+    if len(ids) != len(logprobs):
+        raise ValueError(f"server returned {len(ids)} tokens but {len(logprobs)} logprobs")
+    version = int(meta.get("weight_version") or 0)
+    return PartialAnswer(
+        ids, logprobs, meta["finish_reason"]["type"], version, version, ((len(ids), version),)
+    )
+
+
+def extend(answer: PartialAnswer, response: dict) -> PartialAnswer:
+    """`answer` continued by the response to its resubmission."""
+    part = from_response(response)
+    return replace(
+        answer,
+        output_ids=answer.output_ids + part.output_ids,
+        logprobs=answer.logprobs + part.logprobs,
+        finish=part.finish,
+        version_end=part.version_end,
+        parts=answer.parts + part.parts,
+    )
+
+
+def continuation_params(params: dict, answer: PartialAnswer, index: int) -> dict:
+    """Sampling params of the next part: one answer, the remaining budget, a seed of its own."""
+    done = len(answer.output_ids)
+    out = {**params, "n": 1, "max_new_tokens": params["max_new_tokens"] - done}
+    out["min_new_tokens"] = max(0, params.get("min_new_tokens", 0) - done)
+    if params.get("sampling_seed") is not None:
+        out["sampling_seed"] = params["sampling_seed"] + 1000 * index + done  # not a replay of the first part
+    return out
+
+
+def generate_group(client, prompt: list[int], params: dict, max_parts: int = 1000) -> list[PartialAnswer]:
+    """params["n"] answers to `prompt` on one server, each continued after interruptions until it ends."""
+    answers = [from_response(r) for r in client.generate([prompt], params)]
+    if not any(a.interrupted for a in answers):
+        return answers
+    with ThreadPoolExecutor(len(answers)) as pool:  # interrupted answers continue side by side
+        return list(pool.map(lambda ia: finish(client, prompt, params, *ia, max_parts), enumerate(answers)))
+
+
+def finish(client, prompt: list[int], params: dict, index: int, answer: PartialAnswer, max_parts: int):
+    """`answer` continued until it ends by stop or length."""
+    while answer.interrupted and len(answer.output_ids) < params["max_new_tokens"]:
+        if answer.n_parts >= max_parts:
+            raise RuntimeError(f"an answer was interrupted {max_parts} times; is the server restarting?")
+        (response,) = client.generate(
+            [prompt + list(answer.output_ids)], continuation_params(params, answer, index)
+        )
+        answer = extend(answer, response)
+    return replace(answer, finish="length") if answer.interrupted else answer  # interrupted at the budget

@@ -1,0 +1,141 @@
+"""The rollout side of asynchronous RL: prompts -> generation servers -> reward -> the rollout store.
+
+Rollout workers each own a shard of the prompts (`ShardedSampler` rank i of n_rollout_workers) and run
+several rollouts at once on threads. Before starting a group, a thread asks the `GenerationManager` for a
+rollout (the staleness bound); the group's group_size answers go to one server as one request and are
+continued after interruptions (`partial.generate_group`); the verifier scores them; a group whose success
+rate is outside [success_rate_lb, success_rate_ub] is dropped, any other is written to the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.data.dataset import PromptDataset, PromptSample, ShardedSampler
+from areal_hpc.data.store import RolloutStore
+from areal_hpc.gen.manager import GenerationManager
+from areal_hpc.gen.partial import PartialAnswer, generate_group
+from areal_hpc.gen.rollout import prompt_seed, sampling_params, scores
+
+logger = logging.getLogger("rollout")
+ALLOCATE_POLL_SECS = 0.01
+
+
+@dataclass
+class RolloutContext:
+    """What every rollout thread of a process shares."""
+
+    cfg: ExperimentConfig
+    dataset: PromptDataset
+    clients: Sequence
+    verifier: object
+    manager: GenerationManager
+    store: RolloutStore
+    tokenizer: object
+    stop: threading.Event
+
+
+def group_arrays(
+    prompt: PromptSample, answers: list[PartialAnswer], success: np.ndarray, birth: float
+) -> dict:
+    """The batch keys of one group (docs/architecture.md), rewards excluded."""
+    p = list(prompt.input_ids)
+    ids, prompt_mask, logprobs, lengths = [], [], [], []
+    for a in answers:
+        ids += p + list(a.output_ids)
+        prompt_mask += [True] * len(p) + [False] * len(a.output_ids)
+        logprobs += [0.0] * len(p) + list(a.logprobs)
+        lengths.append(len(p) + len(a.output_ids))
+    n = len(answers)
+    return {
+        "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "packed_input_ids": np.asarray(ids, dtype=np.int64),
+        "prompt_mask": np.asarray(prompt_mask, dtype=bool),
+        "packed_logprobs": np.asarray(logprobs, dtype=np.float32),
+        "seq_no_eos_mask": np.asarray([a.truncated for a in answers], dtype=bool),
+        "group_ids": np.zeros(n, dtype=np.int64),
+        "version_start": np.asarray([a.version_start for a in answers], dtype=np.int64),
+        "version_end": np.asarray([a.version_end for a in answers], dtype=np.int64),
+        "birth_time": np.full(n, birth, dtype=np.float64),
+        "success": success.astype(np.float32),
+    }
+
+
+class RolloutWorker:
+    """One shard of the prompts, rolled out by `n_threads` threads."""
+
+    def __init__(self, index: int, n_workers: int, ctx: RolloutContext, n_threads: int):
+        self.index, self.ctx, self.n_threads = index, ctx, n_threads
+        self.sampler = ShardedSampler(len(ctx.dataset), index, n_workers, ctx.cfg.seed, batch_size=1)
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self.errors: list[BaseException] = []
+
+    def next_prompt(self) -> tuple[PromptSample, int, int]:
+        """The next prompt of this worker's shard, its sequence number and its epoch."""
+        with self._lock:
+            epoch = self.sampler.epoch
+            (i,) = self.sampler.next_batch()
+            self._sequence += 1
+            return self.ctx.dataset[i], self._sequence, epoch
+
+    def threads(self) -> list[threading.Thread]:
+        return [
+            threading.Thread(target=self._loop, name=f"rollout{self.index}.{t}", daemon=True)
+            for t in range(self.n_threads)
+        ]
+
+    def _loop(self) -> None:
+        ctx = self.ctx
+        try:
+            while not ctx.stop.is_set():
+                if not ctx.manager.allocate_rollout():
+                    if ctx.manager.done():
+                        return
+                    time.sleep(ALLOCATE_POLL_SECS)
+                    continue
+                kept = False
+                try:
+                    kept = self.rollout(*self.next_prompt())
+                finally:
+                    ctx.manager.finish_rollout(kept)
+        except BaseException as exc:  # the role's main thread sees it and fails the run
+            logger.exception("rollout thread failed")
+            self.errors.append(exc)
+            ctx.stop.set()
+
+    def rollout(self, prompt: PromptSample, sequence: int, epoch: int) -> bool:
+        """Generate, score and store one group; False when the success-rate filter dropped it."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        birth = time.time()
+        params = {**sampling_params(cfg), "sampling_seed": prompt_seed(cfg.seed, prompt.query_id, epoch)}
+        n_tokens = len(prompt.input_ids) * cfg.group_size
+        server = ctx.manager.schedule_request(prompt.query_id, n_tokens)
+        try:
+            answers = generate_group(ctx.clients[server], list(prompt.input_ids), params)
+        finally:
+            ctx.manager.release(prompt.query_id, n_tokens)
+            ctx.manager.close_group(prompt.query_id)
+        texts = [ctx.tokenizer.decode(list(a.output_ids), skip_special_tokens=True) for a in answers]
+        success = np.asarray(
+            ctx.verifier.verify_batch([(t, list(prompt.solutions)) for t in texts]), np.float32
+        )
+        if not cfg.success_rate_lb <= float(success.mean()) <= cfg.success_rate_ub:
+            return False
+        arrays = group_arrays(prompt, answers, success, birth)
+        arrays["rewards"] = scores(success, cfg)
+        attrs = {
+            "query_id": prompt.query_id,
+            "worker": self.index,
+            "gen_secs": time.time() - birth,
+            "n_interrupted": sum(a.n_parts > 1 for a in answers),
+        }
+        ctx.store.put(self.index, sequence, arrays, attrs)
+        return True

@@ -1,0 +1,115 @@
+"""Interruptible generation: answers continued across weight updates keep tokens and logprobs aligned."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_hpc.gen.client import GenClient
+from areal_hpc.gen.engine import Engine
+from areal_hpc.gen.partial import continuation_params, generate_group
+from areal_hpc.gen.server import App, GenHTTPServer
+from areal_hpc.weights.disk import write_manifest
+
+TOKEN = "partial-test-token"
+PROMPT = [5, 9, 2, 7]
+PARAMS = {"n": 3, "max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
+
+
+@pytest.fixture
+def client(tiny_model_dir):
+    """A built-in server (engine + HTTP on a thread of this process) on the tiny model."""
+    engine = Engine(str(tiny_model_dir), seed=0, max_batch_size=8).start()
+    httpd = GenHTTPServer(("127.0.0.1", 0), App(engine, {}), TOKEN)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", TOKEN, timeout=120)
+    httpd.shutdown()
+    engine.stop()
+
+
+def perturbed(model_dir, seed: int):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def wait_generating(client: GenClient, more_than: int) -> int:
+    deadline = time.monotonic() + 60
+    while (tokens := client.server_info()["stats"].get("generated_tokens", 0)) <= more_than:
+        assert time.monotonic() < deadline, "the server generates nothing"
+        time.sleep(0.01)
+    return tokens
+
+
+def test_a_group_spanning_three_weight_versions_has_aligned_tokens_and_logprobs(
+    client, tiny_model_dir, tmp_path
+):
+    models = [
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        perturbed(tiny_model_dir, 1),
+        perturbed(tiny_model_dir, 2),
+    ]
+    for version in (1, 2):
+        models[version].save_pretrained(tmp_path / f"v{version}")
+        write_manifest(tmp_path / f"v{version}")  # a snapshot the server accepts
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(generate_group(client, PROMPT, PARAMS)), daemon=True)
+    worker.start()
+    seen = wait_generating(client, 0)
+    for version in (1, 2):  # two updates while the answers are being written
+        client.update_weights_from_disk(str(tmp_path / f"v{version}"), weight_version=version)
+        seen = wait_generating(client, seen + 3 * 10)
+    worker.join(120)
+    (answers,) = box
+    assert len(answers) == 3
+    for answer in answers:
+        assert (answer.version_start, answer.version_end) == (0, 2) and answer.n_parts >= 2
+        assert [v for _, v in answer.parts] == sorted({v for _, v in answer.parts})  # one part per version
+        assert len(answer.output_ids) == len(answer.logprobs) == PARAMS["max_new_tokens"]
+        assert sum(n for n, _ in answer.parts) == PARAMS["max_new_tokens"] and answer.finish == "length"
+        # Each part's logprobs are those of its tokens under the weights that generated it.
+        ids = torch.tensor([PROMPT + list(answer.output_ids)])
+        start = 0
+        for length, version in answer.parts:
+            with torch.no_grad():
+                logits = models[version](ids).logits[
+                    0, len(PROMPT) - 1 + start : len(PROMPT) - 1 + start + length
+                ]
+            expected = torch.log_softmax(logits.float(), -1).gather(
+                1, ids[0, len(PROMPT) + start :][:length, None]
+            )
+            got = torch.tensor(answer.logprobs[start : start + length])
+            torch.testing.assert_close(got, expected[:, 0], atol=2e-3, rtol=0)
+            start += length
+
+
+def test_a_continuation_asks_for_the_rest_of_the_budget_with_a_seed_of_its_own():
+    from areal_hpc.gen.partial import PartialAnswer
+
+    half = PartialAnswer((1, 2, 3), (-0.1, -0.2, -0.3), "abort", 0, 0, ((3, 0),))
+    params = {"n": 4, "max_new_tokens": 10, "min_new_tokens": 5, "sampling_seed": 7}
+    assert continuation_params(params, half, index=2) == {
+        "n": 1, "max_new_tokens": 7, "min_new_tokens": 2, "sampling_seed": 7 + 2000 + 3,
+    }  # fmt: skip
+
+
+def test_without_interruption_an_update_waits_for_running_answers(client, tiny_model_dir, tmp_path):
+    perturbed(tiny_model_dir, 1).save_pretrained(tmp_path / "v1")
+    write_manifest(tmp_path / "v1")
+    box: list = []
+    params = {**PARAMS, "n": 2, "max_new_tokens": 300}
+    worker = threading.Thread(target=lambda: box.append(generate_group(client, PROMPT, params)), daemon=True)
+    worker.start()
+    wait_generating(client, 0)
+    client.update_weights_from_disk(str(tmp_path / "v1"), weight_version=1, abort_all_requests=False)
+    worker.join(30)
+    (answers,) = box  # finished on the old weights, never interrupted
+    assert all((a.version_start, a.version_end, a.n_parts, a.finish) == (0, 0, 1, "length") for a in answers)
+    assert client.generate(PROMPT, {"max_new_tokens": 2})[0]["meta_info"]["weight_version"] == "1"
