@@ -60,15 +60,15 @@ def test_eta_0_first_update_equals_the_synchronous_update(tmp_path, tiny_model_d
     assert sorted(sync_step.ids) == sorted(async_step.ids)  # the same prompts
 
 
-def test_generation_runs_ahead_of_training_but_never_past_eta(tmp_path, tiny_model_dir, easy_data):
+def test_generation_runs_ahead_of_training(tmp_path, tiny_model_dir, easy_data):
     run = run_toy(
         tmp_path, tiny_model_dir, easy_data, "eta2", "async_rl=true", "max_head_offpolicyness=2",
         "exp_ctrl.benchmark_steps=6",
     )  # fmt: skip
     steps = [r for r in read_stats(run.stats) if "ppo_actor/head_offpolicyness/max" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
-    assert all(r["ppo_actor/head_offpolicyness/max"] <= 2 for r in steps)
-    assert max(r["ppo_actor/head_offpolicyness/max"] for r in steps) >= 1  # generation ran ahead
+    assert max(r["ppo_actor/head_offpolicyness/max"] for r in steps) >= 1  # trained on older weights' answers
     assert all(r["ppo_actor/tail_offpolicyness/max"] <= r["ppo_actor/head_offpolicyness/max"] for r in steps)
-    records = list(Ledger(run.root).records())
-    assert [len(r.ids) for r in records] == [8] * 6
+    assert [len(r.ids) for r in Ledger(run.root).records()] == [8] * 6
+    # The staleness bound itself is the manager's (tests/test_gen_manager.py): it bounds when a rollout may
+    # start; an answer that outlives several versions is trained later, continued on newer weights.

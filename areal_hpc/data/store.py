@@ -1,14 +1,13 @@
 """The rollout store: finished groups from the rollout side, waiting to be trained on, as HDF5 files.
 
 One file per group in ``<run_dir>/rollouts/``, written tmp + rename by `data.batch.write_batch`, named
-``<birth time in ms>-w<worker>-<sequence>.h5`` so that name order is age order: the trainer side takes the
-oldest first. A file is removed only after the step that trained on it ended, so nothing is lost in a crash.
+``<birth time in ms>-w<worker>-<sequence>.h5`` (birth: when the rollout started) so that name order is age
+order: the trainer side takes the oldest finished groups first. A file is removed only after the step that trained on it ended, so nothing is lost in a crash.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,12 @@ class RolloutStore:
     def __init__(self, run_dir: str | os.PathLike):
         self.root = Path(run_dir) / "rollouts"
 
-    def put(self, worker: int, sequence: int, arrays: Mapping[str, Any], attrs: Mapping[str, Any]) -> Path:
-        """Store one finished group (its batch arrays and metadata); returns the file."""
+    def put(
+        self, worker: int, sequence: int, birth: float, arrays: Mapping[str, Any], attrs: Mapping[str, Any]
+    ) -> Path:
+        """Store one finished group born (its rollout started) at unix time `birth`; returns the file."""
         self.root.mkdir(exist_ok=True)
-        name = f"{int(time.time() * 1000):013d}-w{worker:03d}-{sequence:08d}.h5"
+        name = f"{int(birth * 1000):013d}-w{worker:03d}-{sequence:08d}.h5"
         return write_batch(self.root / name, arrays, attrs)
 
     def ready(self) -> list[Path]:

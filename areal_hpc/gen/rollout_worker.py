@@ -117,12 +117,13 @@ class RolloutWorker:
         birth = time.time()
         params = {**sampling_params(cfg), "sampling_seed": prompt_seed(cfg.seed, prompt.query_id, epoch)}
         n_tokens = len(prompt.input_ids) * cfg.group_size
-        server = ctx.manager.schedule_request(prompt.query_id, n_tokens)
+        group = f"{self.index}-{sequence}"  # a prompt may be in flight twice (an epoch ends meanwhile)
+        server = ctx.manager.schedule_request(group, n_tokens)
         try:
             answers = generate_group(ctx.clients[server], list(prompt.input_ids), params)
         finally:
-            ctx.manager.release(prompt.query_id, n_tokens)
-            ctx.manager.close_group(prompt.query_id)
+            ctx.manager.release(group, n_tokens)
+            ctx.manager.close_group(group)
         texts = [ctx.tokenizer.decode(list(a.output_ids), skip_special_tokens=True) for a in answers]
         success = np.asarray(
             ctx.verifier.verify_batch([(t, list(prompt.solutions)) for t in texts]), np.float32
@@ -137,5 +138,5 @@ class RolloutWorker:
             "gen_secs": time.time() - birth,
             "n_interrupted": sum(a.n_parts > 1 for a in answers),
         }
-        ctx.store.put(self.index, sequence, arrays, attrs)
+        ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True

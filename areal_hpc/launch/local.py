@@ -41,20 +41,28 @@ def plan_roles(cfg: ExperimentConfig, run: RunDir) -> list[Role]:
     allocation = alloc.resolve_allocation(
         cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     )
-    n_servers = len(allocation.gen_servers())  # one per TP group of the generation layout
+    servers = allocation.gen_servers()  # one per TP group of the generation layout
     entry = [sys.executable, "-m", "areal_hpc.launch.roles", "--run-dir", str(run.root)]
-    roles = [Role(f"gen_server{i}", [*entry, "gen_server"], task_env(i, n_servers)) for i in range(n_servers)]
-    n_trainers = allocation.n_train_gpus
-    roles += [Role(f"trainer{r}", [*entry, "trainer"], task_env(r, n_trainers)) for r in range(n_trainers)]
+    roles = [
+        Role(f"gen_server{i}", [*entry, "gen_server"], task_env(i, len(servers), s.gpus))
+        for i, s in enumerate(servers)
+    ]
+    n_trainers, train_gpus = allocation.n_train_gpus, allocation.layout("actor_train").gpus
+    roles += [
+        Role(f"trainer{r}", [*entry, "trainer"], task_env(r, n_trainers, train_gpus))
+        for r in range(n_trainers)
+    ]
     if cfg.async_rl and cfg.experiment_type == "ppo":
         roles.append(Role("rollout", [*entry, "rollout"], task_env(0, 1)))
     roles.append(Role("controller", [*entry, "controller"], task_env(0, 1)))
     return roles
 
 
-def task_env(index: int, n_tasks: int) -> dict[str, str]:
-    """Task `index` of `n_tasks` on this node, in the variables of submitit's local JobEnvironment."""
+def task_env(index: int, n_tasks: int, gpus: tuple[int, ...] = ()) -> dict[str, str]:
+    """Task `index` of `n_tasks` on this node, in the variables of submitit's local JobEnvironment, seeing
+    only its step's GPUs as a Slurm step would (all nodes of the allocation are this machine)."""
     return {
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
         "SUBMITIT_EXECUTOR": "local",
         "SUBMITIT_LOCAL_JOB_ID": str(os.getpid()),
         "SUBMITIT_LOCAL_NTASKS": str(n_tasks),

@@ -182,11 +182,15 @@ def run_trainer(run: RunDir, rank: int, n_tasks: int) -> None:
 def run_gen_server(run: RunDir, index: int) -> None:
     """The built-in server on the actor's weights; it announces its URL in the run directory and serves
     until the run ends (see `why_stop`), so that a job whose servers are a step of their own finishes."""
+    import torch
+
     from areal_hpc.gen import server
 
     cfg = run.load_config()
     host = "127.0.0.1" if cfg.mode == "local" else "0.0.0.0"
     args = ["--model-path", cfg.actor.path, "--token-file", str(run.secret), "--host", host]
+    if torch.cuda.is_available():  # the step's GPUs: one per server on a node (TP > 1 needs real SGLang)
+        args += ["--device", f"cuda:{index % torch.cuda.device_count()}"]
     args += ["--address-file", str(run.gen_address(index)), "--seed", str(cfg.seed + index)]
     run.gen_address(index).parent.mkdir(exist_ok=True)
     reason: list[str] = []
