@@ -2,7 +2,8 @@
 
 One file per group in ``<run_dir>/rollouts/``, written tmp + rename by `data.batch.write_batch`, named
 ``<birth time in ms>-w<worker>-<sequence>.h5`` (birth: when the rollout started) so that name order is age
-order: the trainer side takes the oldest finished groups first. A file is removed only after the step that trained on it ended, so nothing is lost in a crash.
+order: the trainer side takes the oldest finished groups first. A file is removed only after the step that
+trained on it ended, so nothing is lost in a crash.
 """
 
 from __future__ import annotations

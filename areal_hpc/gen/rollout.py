@@ -10,7 +10,6 @@ import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +17,7 @@ import numpy as np
 from areal_hpc.config.schema import ExperimentConfig
 from areal_hpc.data.batch import write_batch
 from areal_hpc.data.dataset import PromptSample
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One generated answer as the server returned it."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    text: str
-    truncated: bool  # finished by length (or abort) rather than a stop token
-    version: int
+from areal_hpc.gen.partial import PartialAnswer, from_response
 
 
 def sampling_params(cfg: ExperimentConfig) -> dict:
@@ -51,28 +40,15 @@ def prompt_seed(seed: int, query_id: str, epoch: int) -> int:
     return (seed * 1_000_003 + epoch * 7_919 + zlib.crc32(query_id.encode())) % 2**31
 
 
-def parse_answer(response: dict) -> Answer:
-    """An Answer from one /generate response object."""
-    meta = response["meta_info"]
-    logprobs = [float(item[0]) for item in meta["output_token_logprobs"]]
-    output_ids = list(response["output_ids"])
-    if len(logprobs) != len(output_ids):
-        raise ValueError(f"server returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
-    version = meta.get("weight_version") or 0
-    return Answer(
-        output_ids, logprobs, response["text"], meta["finish_reason"]["type"] != "stop", int(version)
-    )
-
-
 def generate_groups(
     clients: Sequence, prompts: Sequence[PromptSample], params: dict, seeds: Sequence[int]
-) -> list[list[Answer]]:
-    """group_size answers per prompt, all prompts in flight at once, prompt i on server i % len(servers)."""
+) -> list[list[tuple[PartialAnswer, str]]]:
+    """group_size (answer, text) per prompt, all prompts in flight at once, prompt i on server i % len(servers)."""
 
-    def one(i: int) -> list[Answer]:
+    def one(i: int) -> list[tuple[PartialAnswer, str]]:
         request = {**params, "sampling_seed": seeds[i]}
         responses = clients[i % len(clients)].generate([list(prompts[i].input_ids)], request)
-        return [parse_answer(r) for r in responses]
+        return [(from_response(r), r["text"]) for r in responses]
 
     with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
         return list(pool.map(one, range(len(prompts))))
@@ -84,20 +60,23 @@ def scores(success: np.ndarray, cfg: ExperimentConfig) -> np.ndarray:
     return (((success - 0.5) * 2 - ppo.reward_output_bias) * ppo.reward_output_scaling).astype(np.float32)
 
 
-def pack_groups(prompts: Sequence[PromptSample], groups: list[list[Answer]], success: np.ndarray) -> dict:
+def pack_groups(
+    prompts: Sequence[PromptSample], groups: list[list[PartialAnswer]], success: np.ndarray
+) -> dict:
     """Packed arrays of prompt + answer sequences (batch keys of docs/architecture.md), without rewards."""
     ids, prompt_mask, logprobs, lengths = [], [], [], []
-    no_eos, group_ids, versions = [], [], []
+    no_eos, group_ids, starts, ends = [], [], [], []
     for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
         for answer in answers:
             p = list(prompt.input_ids)
-            ids += p + answer.output_ids
+            ids += p + list(answer.output_ids)
             prompt_mask += [True] * len(p) + [False] * len(answer.output_ids)
-            logprobs += [0.0] * len(p) + answer.logprobs
+            logprobs += [0.0] * len(p) + list(answer.logprobs)
             lengths.append(len(p) + len(answer.output_ids))
             no_eos.append(answer.truncated)
             group_ids.append(g)
-            versions.append(answer.version)
+            starts.append(answer.version_start)
+            ends.append(answer.version_end)
     return {
         "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         "packed_input_ids": np.asarray(ids, dtype=np.int64),
@@ -105,8 +84,8 @@ def pack_groups(prompts: Sequence[PromptSample], groups: list[list[Answer]], suc
         "packed_logprobs": np.asarray(logprobs, dtype=np.float32),
         "seq_no_eos_mask": np.asarray(no_eos, dtype=bool),
         "group_ids": np.asarray(group_ids, dtype=np.int64),
-        "version_start": np.asarray(versions, dtype=np.int64),
-        "version_end": np.asarray(versions, dtype=np.int64),
+        "version_start": np.asarray(starts, dtype=np.int64),
+        "version_end": np.asarray(ends, dtype=np.int64),
         "success": success.astype(np.float32),
     }
 
@@ -122,10 +101,13 @@ def rollout_step(
     """Generate, score and write the step's batch file; returns its path and rollout statistics."""
     start = time.monotonic()
     seeds = [prompt_seed(cfg.seed, p.query_id, epoch) for p in prompts]
-    groups = generate_groups(clients, prompts, sampling_params(cfg), seeds)
+    generated = generate_groups(clients, prompts, sampling_params(cfg), seeds)
     gen_secs = time.monotonic() - start
-    items = [(a.text, list(p.solutions)) for p, answers in zip(prompts, groups, strict=True) for a in answers]
+    items = [
+        (text, list(p.solutions)) for p, group in zip(prompts, generated, strict=True) for _, text in group
+    ]
     success = np.asarray(verifier.verify_batch(items), dtype=np.float32)
+    groups = [[answer for answer, _ in group] for group in generated]
     arrays = pack_groups(prompts, groups, success)
     arrays["rewards"] = scores(success, cfg)
     write_batch(path, arrays, {"n_prompts": len(prompts), "group_size": cfg.group_size})

@@ -21,8 +21,8 @@ from areal_hpc.config.schema import ExperimentConfig
 from areal_hpc.data.dataset import PromptDataset, PromptSample, ShardedSampler
 from areal_hpc.data.store import RolloutStore
 from areal_hpc.gen.manager import GenerationManager
-from areal_hpc.gen.partial import PartialAnswer, generate_group
-from areal_hpc.gen.rollout import prompt_seed, sampling_params, scores
+from areal_hpc.gen.partial import generate_group
+from areal_hpc.gen.rollout import pack_groups, prompt_seed, sampling_params, scores
 
 logger = logging.getLogger("rollout")
 ALLOCATE_POLL_SECS = 0.01
@@ -40,32 +40,6 @@ class RolloutContext:
     store: RolloutStore
     tokenizer: object
     stop: threading.Event
-
-
-def group_arrays(
-    prompt: PromptSample, answers: list[PartialAnswer], success: np.ndarray, birth: float
-) -> dict:
-    """The batch keys of one group (docs/architecture.md), rewards excluded."""
-    p = list(prompt.input_ids)
-    ids, prompt_mask, logprobs, lengths = [], [], [], []
-    for a in answers:
-        ids += p + list(a.output_ids)
-        prompt_mask += [True] * len(p) + [False] * len(a.output_ids)
-        logprobs += [0.0] * len(p) + list(a.logprobs)
-        lengths.append(len(p) + len(a.output_ids))
-    n = len(answers)
-    return {
-        "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        "packed_input_ids": np.asarray(ids, dtype=np.int64),
-        "prompt_mask": np.asarray(prompt_mask, dtype=bool),
-        "packed_logprobs": np.asarray(logprobs, dtype=np.float32),
-        "seq_no_eos_mask": np.asarray([a.truncated for a in answers], dtype=bool),
-        "group_ids": np.zeros(n, dtype=np.int64),
-        "version_start": np.asarray([a.version_start for a in answers], dtype=np.int64),
-        "version_end": np.asarray([a.version_end for a in answers], dtype=np.int64),
-        "birth_time": np.full(n, birth, dtype=np.float64),
-        "success": success.astype(np.float32),
-    }
 
 
 class RolloutWorker:
@@ -130,8 +104,9 @@ class RolloutWorker:
         )
         if not cfg.success_rate_lb <= float(success.mean()) <= cfg.success_rate_ub:
             return False
-        arrays = group_arrays(prompt, answers, success, birth)
+        arrays = pack_groups([prompt], [answers], success)
         arrays["rewards"] = scores(success, cfg)
+        arrays["birth_time"] = np.full(len(answers), birth, dtype=np.float64)
         attrs = {
             "query_id": prompt.query_id,
             "worker": self.index,

@@ -55,6 +55,14 @@ def wait_gen_address(run: RunDir, index: int) -> dict:
     )
 
 
+def gen_clients(run: RunDir, allocation) -> list:
+    """A client of each generation server of the allocation, once it has announced its address."""
+    from areal_hpc.gen.client import GenClient
+
+    token = run.token()
+    return [GenClient(wait_gen_address(run, i)["url"], token) for i in range(len(allocation.gen_servers()))]
+
+
 def setup_logging(level: str, role: str) -> None:
     logging.basicConfig(
         level=level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s", stream=sys.stdout
@@ -68,7 +76,6 @@ def run_controller(run: RunDir) -> None:
     from areal_hpc import alloc
     from areal_hpc.algo.math_verify import MathVerifier
     from areal_hpc.data.dataset import load_prompt_dataset
-    from areal_hpc.gen.client import GenClient
     from areal_hpc.master.graph import build_graph
     from areal_hpc.master.loop import Master
     from areal_hpc.master.trainers import TrainerGroup
@@ -86,10 +93,7 @@ def run_controller(run: RunDir) -> None:
     allocation = alloc.resolve_allocation(
         cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     )
-    token = run.token()
-    clients = [
-        GenClient(wait_gen_address(run, i)["url"], token) for i in range(len(allocation.gen_servers()))
-    ]
+    clients = gen_clients(run, allocation)
     trainers = TrainerGroup(run.root, allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
     graph = build_graph(cfg, trainer_only=True)
@@ -112,7 +116,6 @@ def run_rollout(run: RunDir) -> None:
     from areal_hpc.algo.math_verify import MathVerifier
     from areal_hpc.data.dataset import ShardedSampler, load_prompt_dataset
     from areal_hpc.data.store import RolloutStore
-    from areal_hpc.gen.client import GenClient
     from areal_hpc.gen.manager import GenerationManager
     from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker
     from areal_hpc.master.loop import make_counter
@@ -124,8 +127,8 @@ def run_rollout(run: RunDir) -> None:
     allocation = alloc.resolve_allocation(
         cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     )
-    n_servers = len(allocation.gen_servers())
-    clients = [GenClient(wait_gen_address(run, i)["url"], run.token()) for i in range(n_servers)]
+    clients = gen_clients(run, allocation)
+    n_servers = len(clients)
     total_steps = make_counter(
         cfg, ShardedSampler(len(train), 0, 1, cfg.seed, ds.train_bs_n_seqs)
     ).total_steps
