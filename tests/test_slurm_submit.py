@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import time
@@ -135,6 +136,12 @@ def test_two_jobs_meet_through_the_run_directory_when_hetjobs_are_off(
     states = slurm.wait_final(job_ids, timeout=180)
     assert set(states.values()) == {"COMPLETED"}, (states, runs.log_files(run))
     assert get_status(run.root).state == "COMPLETE"
+
+
+def test_a_refused_submission_leaves_no_run_directory(slurm_env, tmp_path, tiny_model_dir, easy_data):
+    with pytest.raises(slurm.SlurmError, match="sbatch failed"):
+        submit_toy(tmp_path, tiny_model_dir, easy_data, "refused", 1, "cluster.slurm.train_partition=nope")
+    assert not (tmp_path / getpass.getuser() / "toy-cpu" / "refused").exists()
 
 
 def role_pid(run, role: str) -> int:

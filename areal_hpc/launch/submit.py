@@ -66,7 +66,7 @@ def dry_run_text(sub: Submission) -> str:
 def submit(sub: Submission) -> list[str]:
     """Create the run directory, write the scripts, submit every job; returns the job ids.
 
-    If a later job of a two-job plan fails to submit, the earlier ones are cancelled.
+    If a job fails to submit, the ones submitted before it are cancelled and the run directory is removed.
     """
     if shutil.which("sbatch") is None:
         raise slurm.SlurmError("sbatch is not on PATH: run `areal-hpc submit` on a Slurm login node")
@@ -81,6 +81,7 @@ def submit(sub: Submission) -> list[str]:
     except slurm.SlurmError:
         if job_ids:
             slurm.cancel(job_ids)
+        shutil.rmtree(run.root)  # made by this call and never run: the trial name stays free for a retry
         raise
     record = {
         "kind": sub.plan.kind,
