@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO_ROOT))  # `areal_hpc` and `tools` importable without
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+from tests.helpers import Toy  # noqa: E402
 from tests.slurm import slurm_cluster  # noqa: E402, F401 (the fixture of tests marked slurm)
 from tools.build_tiny_model import TinyBuild, build, is_complete  # noqa: E402
 
@@ -58,3 +59,9 @@ def toy_train_path(tiny_build: TinyBuild) -> Path:
 def toy_test_path(tiny_build: TinyBuild) -> Path:
     """JSONL file of the held-out toy questions, disjoint from the training ones."""
     return tiny_build.test_path
+
+
+@pytest.fixture
+def toy(tmp_path: Path, tiny_build: TinyBuild) -> Toy:
+    """The toy experiment with tiny batches, its runs under tmp_path (see tests/helpers.py)."""
+    return Toy(tmp_path, tiny_build.model_dir, tiny_build.root / "data" / "easy")

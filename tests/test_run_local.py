@@ -13,44 +13,21 @@ from pathlib import Path
 import pytest
 import submitit
 
-from areal_hpc.config import load_config
 from areal_hpc.control.ledger import Ledger
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
 from areal_hpc.launch.roles import role_main
 from areal_hpc.launch.rundir import create_run_dir, run_dir_of
 from areal_hpc.monitor.stats import read_stats
+from tests.helpers import role_pids
 
 ROOT = Path(__file__).resolve().parents[1]
+# Two trainer ranks and one server on three CPU slots.
+TWO_TRAINERS = ("allocation_mode=sglang.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3")
 
 
-def toy_overrides(tmp_path: Path, model_dir: Path, data: Path, trial: str, steps: int) -> list[str]:
-    """Two trainer ranks and one server on three CPU slots; tiny batches so a step takes a second."""
-    return [
-        f"cluster.fileroot={tmp_path}",
-        f"trial_name={trial}",
-        f"actor.path={model_dir}",
-        f"dataset.path={data / 'train.jsonl'}",
-        f"dataset.valid_path={data / 'test.jsonl'}",
-        "allocation_mode=sglang.d1p1m1+d2p1m1",
-        "cluster.n_nodes=1",
-        "cluster.n_gpus_per_node=3",
-        "dataset.train_bs_n_seqs=4",
-        "group_size=2",
-        "ppo.gen.max_new_tokens=6",
-        f"exp_ctrl.benchmark_steps={steps}",
-    ]
-
-
-@pytest.fixture
-def easy_data(tiny_build) -> Path:
-    return tiny_build.root / "data" / "easy"
-
-
-def test_three_synchronous_grpo_steps_with_two_trainer_ranks(tmp_path, tiny_model_dir, easy_data, capsys):
-    cfg = load_config(
-        [ROOT / "configs/toy-cpu.yaml"], toy_overrides(tmp_path, tiny_model_dir, easy_data, "t3", 3)
-    )
+def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
+    cfg = toy.config("t3", 3, *TWO_TRAINERS)
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
     assert get_status(run.root).state == "COMPLETE"
@@ -67,11 +44,11 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(tmp_path, tiny_mode
     assert "step 3/3" in out and "completed" in out
 
 
-def start_run(tmp_path, tiny_model_dir, easy_data, trial: str) -> tuple[subprocess.Popen, Path]:
-    overrides = toy_overrides(tmp_path, tiny_model_dir, easy_data, trial, 1000)
+def start_run(toy, trial: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    overrides = toy.overrides(trial, 1000, *TWO_TRAINERS, *extra)
     cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(ROOT / "configs/toy-cpu.yaml"), *overrides]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_root = tmp_path / os.environ.get("USER", "root") / "toy-cpu" / trial
+    run_root = toy.fileroot / os.environ.get("USER", "root") / "toy-cpu" / trial
     return proc, run_root
 
 
@@ -86,28 +63,10 @@ def wait_for_step(run_root: Path, proc: subprocess.Popen, step: int, timeout: fl
     raise AssertionError(f"no step {step} within {timeout} s")
 
 
-def role_pids(run_root: Path) -> dict[str, int]:
-    """pid of each role process of a run, from /proc."""
-    pids = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode() for a in argv if a]
-        if "areal_hpc.launch.roles" in args and str(run_root) in args:
-            role = next(a for a in args if a in ("controller", "gen_server", "trainer"))
-            env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
-            index = "" if role == "controller" else env[b"SUBMITIT_LOCAL_GLOBALID"].decode()
-            pids[role + index] = int(proc.name)
-    return pids
-
-
 @pytest.mark.parametrize("victim", ["trainer1", "gen_server0", "controller"])
-def test_killing_a_role_mid_run_stops_every_role_with_a_clear_error(
-    tmp_path, tiny_model_dir, easy_data, victim
-):
-    proc, run_root = start_run(tmp_path, tiny_model_dir, easy_data, f"kill-{victim.replace('_', '-')}")
+def test_killing_a_role_mid_run_stops_every_role_with_a_clear_error(toy, victim):
+    # Without recovery: recovery's restarts are tests/test_recover_local.py's.
+    proc, run_root = start_run(toy, f"kill-{victim.replace('_', '-')}", "recover_mode=disabled")
     wait_for_step(run_root, proc, 1)
     pids = role_pids(run_root)
     assert set(pids) == {"controller", "gen_server0", "trainer0", "trainer1"}
@@ -121,8 +80,8 @@ def test_killing_a_role_mid_run_stops_every_role_with_a_clear_error(
     assert get_status(run_root).state == "ABORTED"
 
 
-def test_ctrl_c_stops_every_role(tmp_path, tiny_model_dir, easy_data):
-    proc, run_root = start_run(tmp_path, tiny_model_dir, easy_data, "ctrl-c")
+def test_ctrl_c_stops_every_role(toy):
+    proc, run_root = start_run(toy, "ctrl-c")
     wait_for_step(run_root, proc, 1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
@@ -131,11 +90,9 @@ def test_ctrl_c_stops_every_role(tmp_path, tiny_model_dir, easy_data):
     assert get_status(run_root).state == "ABORTED"
 
 
-def test_submitit_local_executor_starts_the_same_entry_point(tmp_path, tiny_model_dir, easy_data):
+def test_submitit_local_executor_starts_the_same_entry_point(toy, tmp_path):
     """Each role as a submitit LocalExecutor job: two trainer tasks learn ranks 0 and 1 from the job."""
-    cfg = load_config(
-        [ROOT / "configs/toy-cpu.yaml"], toy_overrides(tmp_path, tiny_model_dir, easy_data, "submitit", 2)
-    )
+    cfg = toy.config("submitit", 2, *TWO_TRAINERS)
     run = create_run_dir(cfg)
 
     def submit(role: str, tasks: int):

@@ -279,5 +279,6 @@ class ExperimentConfig:
     )
     recover_retries: int = opt(1, "How many times a failed run is restarted.", ge=0)
     recover_after: int = opt(10, "Seconds to wait before restarting a failed run.", ge=0)
+    recover_keep: int = opt(2, "How many recover checkpoints to keep (the newest).", ge=1)
     eval: EvalConfig = opt(EvalConfig, "Math evaluation (REFERENCE.md section 8).")
     logging: LoggingConfig = opt(LoggingConfig, "Logs, statistics and progress display.")

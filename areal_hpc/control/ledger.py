@@ -1,6 +1,7 @@
 """Ledger of consumed sample ids in ``<run_dir>/ledger.jsonl``, written by the controller alone.
 
-One JSON line per step: ``{"epoch": e, "step": s, "ids": [...], "time": t}``. Each line is appended with a
+One JSON line per step: ``{"epoch": e, "step": s, "ids": [...], "time": t}``, plus ``"dropped": true`` for
+prompts whose groups the success-rate filter dropped (used up without training). Each line is appended with a
 single write and fsync'd, so a crash can only tear the last line; readers skip a line that does not parse
 (with a warning) and the writer cuts a torn tail off before its first append, so it cannot glue onto it.
 """
@@ -28,6 +29,7 @@ class LedgerRecord:
     step: int
     ids: tuple[str, ...]
     time: float = 0.0
+    dropped: bool = False
 
 
 class Ledger:
@@ -37,12 +39,15 @@ class Ledger:
         self.path = Path(run_dir) / "ledger.jsonl"
         self._repaired = False
 
-    def record(self, epoch: int, step: int, ids: Iterable[str | int]) -> None:
-        """Append the ids that ``step`` of ``epoch`` consumed (as strings) and fsync them."""
+    def record(self, epoch: int, step: int, ids: Iterable[str | int], dropped: bool = False) -> None:
+        """Append the ids that ``step`` of ``epoch`` consumed (as strings) and fsync them; ``dropped``:
+        their groups were filtered out instead of trained on."""
         if not self._repaired:
             self._cut_torn_tail()
             self._repaired = True
         line = {"epoch": int(epoch), "step": int(step), "ids": [str(i) for i in ids], "time": time.time()}
+        if dropped:
+            line["dropped"] = True
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -72,7 +77,11 @@ class Ledger:
             try:
                 line = json.loads(raw)
                 yield LedgerRecord(
-                    int(line["epoch"]), int(line["step"]), tuple(line["ids"]), line.get("time", 0.0)
+                    int(line["epoch"]),
+                    int(line["step"]),
+                    tuple(line["ids"]),
+                    line.get("time", 0.0),
+                    bool(line.get("dropped", False)),
                 )
             except (ValueError, KeyError, TypeError) as exc:
                 torn = "torn last line" if not raw.endswith(b"\n") else "bad line"
@@ -85,8 +94,15 @@ class Ledger:
             return b""
 
     def consumed(self, epoch: int) -> set[str]:
-        """The ids consumed so far in ``epoch``."""
+        """The ids consumed (trained on or dropped) so far in ``epoch``."""
         return {i for r in self.records() if r.epoch == epoch for i in r.ids}
+
+    def consumed_by_epoch(self) -> dict[int, set[str]]:
+        """Every epoch's consumed ids."""
+        out: dict[int, set[str]] = {}
+        for r in self.records():
+            out.setdefault(r.epoch, set()).update(r.ids)
+        return out
 
     def last(self) -> LedgerRecord | None:
         """The last readable record, or None for an empty ledger."""

@@ -3,7 +3,8 @@
 One file per group in ``<run_dir>/rollouts/``, written tmp + rename by `data.batch.write_batch`, named
 ``<birth time in ms>-w<worker>-<sequence>.h5`` (birth: when the rollout started) so that name order is age
 order: the trainer side takes the oldest finished groups first. A file is removed only after the step that
-trained on it ended, so nothing is lost in a crash.
+trained on it ended, so nothing is lost in a crash. A group the success-rate filter dropped leaves a small
+marker in ``dropped/`` instead, so that the controller records its prompt as used (exactly-once accounting).
 """
 
 from __future__ import annotations
@@ -26,8 +27,21 @@ class RolloutStore:
     ) -> Path:
         """Store one finished group born (its rollout started) at unix time `birth`; returns the file."""
         self.root.mkdir(exist_ok=True)
-        name = f"{int(birth * 1000):013d}-w{worker:03d}-{sequence:08d}.h5"
-        return write_batch(self.root / name, arrays, attrs)
+        return write_batch(self.root / f"{_name(worker, sequence, birth)}.h5", arrays, attrs)
+
+    def put_dropped(self, worker: int, sequence: int, birth: float, query_id: str, epoch: int) -> Path:
+        """Mark the group of `query_id` (of prompt epoch `epoch`) as dropped by the success-rate filter."""
+        path = self.root / "dropped" / f"{_name(worker, sequence, birth)}.json"
+        fsio.write_json(path, {"query_id": query_id, "epoch": epoch})
+        return path
+
+    def dropped(self) -> list[tuple[Path, dict]]:
+        """Drop markers not yet recorded, oldest first: (file, {"query_id", "epoch"})."""
+        folder = self.root / "dropped"
+        found = [
+            (folder / n, fsio.read_json(folder / n)) for n in fsio.list_names(folder) if n.endswith(".json")
+        ]
+        return [(path, info) for path, info in found if info is not None]
 
     def ready(self) -> list[Path]:
         """Every stored group, oldest first (temporary files of writes in progress are not listed)."""
@@ -39,6 +53,10 @@ class RolloutStore:
         return found[:n] if len(found) >= n else None
 
     def remove(self, paths: list[Path]) -> None:
-        """Drop groups that were trained on."""
+        """Drop groups that were trained on (or drop markers that were recorded)."""
         for path in paths:
             fsio.remove(path)
+
+
+def _name(worker: int, sequence: int, birth: float) -> str:
+    return f"{int(birth * 1000):013d}-w{worker:03d}-{sequence:08d}"

@@ -4,7 +4,9 @@ Rollout workers each own a shard of the prompts (`ShardedSampler` rank i of n_ro
 several rollouts at once on threads. Before starting a group, a thread asks the `GenerationManager` for a
 rollout (the staleness bound); the group's group_size answers go to one server as one request and are
 continued after interruptions (`partial.generate_group`); the verifier scores them; a group whose success
-rate is outside [success_rate_lb, success_rate_ub] is dropped, any other is written to the store.
+rate is outside [success_rate_lb, success_rate_ub] is dropped (a marker in the store says so), any other is
+written to the store. A resumed run skips the prompts that are already used in their epoch (`done`: trained
+on or dropped, from the ledger, or waiting in the store).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.control.ledger import Ledger
+from areal_hpc.data.batch import read_attrs
 from areal_hpc.data.dataset import PromptDataset, PromptSample, ShardedSampler
 from areal_hpc.data.store import RolloutStore
 from areal_hpc.gen.manager import GenerationManager
@@ -40,6 +44,7 @@ class RolloutContext:
     store: RolloutStore
     tokenizer: object
     stop: threading.Event
+    done: dict[int, set[str]] = field(default_factory=dict)  # prompt epoch -> query ids already used
 
 
 class RolloutWorker:
@@ -53,12 +58,15 @@ class RolloutWorker:
         self.errors: list[BaseException] = []
 
     def next_prompt(self) -> tuple[PromptSample, int, int]:
-        """The next prompt of this worker's shard, its sequence number and its epoch."""
+        """The next prompt of this worker's shard not used yet in its epoch, its sequence number and epoch."""
         with self._lock:
-            epoch = self.sampler.epoch
-            (i,) = self.sampler.next_batch()
-            self._sequence += 1
-            return self.ctx.dataset[i], self._sequence, epoch
+            while True:
+                epoch = self.sampler.epoch
+                (i,) = self.sampler.next_batch()
+                prompt = self.ctx.dataset[i]
+                if prompt.query_id not in self.ctx.done.get(epoch, ()):
+                    self._sequence += 1
+                    return prompt, self._sequence, epoch
 
     def threads(self) -> list[threading.Thread]:
         return [
@@ -103,15 +111,29 @@ class RolloutWorker:
             ctx.verifier.verify_batch([(t, list(prompt.solutions)) for t in texts]), np.float32
         )
         if not cfg.success_rate_lb <= float(success.mean()) <= cfg.success_rate_ub:
+            ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch)
             return False
         arrays = pack_groups([prompt], [answers], success)
         arrays["rewards"] = scores(success, cfg)
         arrays["birth_time"] = np.full(len(answers), birth, dtype=np.float64)
         attrs = {
             "query_id": prompt.query_id,
+            "epoch": epoch,
             "worker": self.index,
             "gen_secs": time.time() - birth,
             "n_interrupted": sum(a.n_parts > 1 for a in answers),
         }
         ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True
+
+
+def used_prompts(ledger: Ledger, store: RolloutStore) -> tuple[dict[int, set[str]], int]:
+    """The prompts already used in each epoch (recorded in the ledger, waiting in the store, or dropped) and
+    the number of groups waiting in the store: where a resumed rollout side carries on."""
+    done = ledger.consumed_by_epoch()
+    stored = store.ready()
+    found = [(a["epoch"], a["query_id"]) for a in map(read_attrs, stored)]
+    found += [(d["epoch"], d["query_id"]) for _, d in store.dropped()]
+    for epoch, query_id in found:
+        done.setdefault(int(epoch), set()).add(query_id)
+    return done, len(stored)

@@ -1,7 +1,9 @@
 """`areal-hpc run`: every role of a run as a local process, supervised until the run completes or fails.
 
 Roles meet only through the run directory, HTTP and torch.distributed, exactly as under Slurm; this module
-only starts them, shows progress, and stops them all when one fails or the user presses Ctrl-C.
+only starts them, shows progress, and stops them all when one fails or the user presses Ctrl-C. A failed
+attempt is restarted up to `recover_retries` times (unless recover_mode is disabled), as a Slurm job
+requeues itself; the controller then resumes from the newest recover checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from areal_hpc import alloc
@@ -20,6 +23,7 @@ from areal_hpc.config import ExperimentConfig
 from areal_hpc.control.status import ABORTED, COMPLETE, abort, get_status
 from areal_hpc.launch.rundir import RunDir, create_run_dir
 from areal_hpc.monitor.progress import Progress
+from areal_hpc.recover.attempt import ATTEMPT_ENV, begin_attempt
 
 STOP_GRACE_SECS = 5.0
 
@@ -73,10 +77,11 @@ def task_env(index: int, n_tasks: int, gpus: tuple[int, ...] = ()) -> dict[str, 
     }
 
 
-def start(roles: list[Role], run: RunDir) -> None:
+def start(roles: list[Role], run: RunDir, attempt: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    env[ATTEMPT_ENV] = str(attempt)
     for role in roles:
-        log = open(run.attempt_logs(0) / f"{role.name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        log = open(run.attempt_logs(attempt) / f"{role.name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
         # A session of its own: the terminal's Ctrl-C reaches only this supervisor, which stops roles in order.
         role.process = subprocess.Popen(
             role.argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **role.env}, start_new_session=True
@@ -103,57 +108,74 @@ def _signal(role: Role, sig: int) -> None:
         os.killpg(role.process.pid, sig)
 
 
-def log_tail(run: RunDir, role: str, n: int = 15) -> str:
-    path = run.attempt_logs(0) / f"{role}.log"
+def log_tail(log: Path, n: int = 15) -> str:
+    path = log
     lines = path.read_text(errors="replace").splitlines()[-n:] if path.is_file() else []
     return "\n".join("    " + line for line in lines)
 
 
-def supervise(roles: list[Role], run: RunDir, progress: Progress) -> tuple[int, str]:
+def supervise(roles: list[Role], run: RunDir, attempt: int, progress: Progress) -> tuple[int, str]:
     """Wait until the controller finishes (0) or any role fails (1); returns (exit code, message)."""
     controller = next(r for r in roles if r.name == "controller")
     while True:
         progress.update()
         status = get_status(run.root)
+        logs = run.attempt_logs(attempt)
         if status is not None and status.state == ABORTED:
-            return 1, failure_message(run, status.role, f"{status.role} aborted the run: {status.reason}")
+            return 1, failure_message(logs, status.role, f"{status.role} aborted the run: {status.reason}")
         failed = [r for r in roles if r.exit_code not in (None, 0)]
         if failed:
             role = failed[0]
             return 1, failure_message(
-                run, role.name, f"role {role.name} failed with exit code {role.exit_code}"
+                logs, role.name, f"role {role.name} failed with exit code {role.exit_code}"
             )
         if controller.exit_code == 0:
             return 0, "completed"
         early = [r for r in roles if r.exit_code == 0 and r is not controller]
         if early and (status is None or status.state != COMPLETE):
             return 1, failure_message(
-                run, early[0].name, f"role {early[0].name} exited before the run finished"
+                logs, early[0].name, f"role {early[0].name} exited before the run finished"
             )
         time.sleep(0.2)
 
 
-def failure_message(run: RunDir, role: str, reason: str) -> str:
-    return f"{reason}\nlast lines of {run.attempt_logs(0) / (role + '.log')}:\n{log_tail(run, role)}"
+def failure_message(logs: Path, role: str, reason: str) -> str:
+    log = logs / f"{role}.log"
+    return f"{reason}\nlast lines of {log}:\n{log_tail(log)}"
 
 
 def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
-    """Create the run directory, start every role, supervise them; 0 only when the run completed."""
+    """Create the run directory, then run attempts until one completes, fails for good or is interrupted;
+    0 only when the run completed."""
     out = out or sys.stdout
     run = create_run_dir(cfg)
-    roles = plan_roles(cfg, run)
     print(f"run directory: {run.root}", file=out)
-    run.attempt_logs(0).mkdir()
-    print(f"roles: {', '.join(r.name for r in roles)} (logs in {run.attempt_logs(0)})", file=out)
+    restarts = 0 if cfg.recover_mode == "disabled" else cfg.recover_retries
+    for restart in range(restarts + 1):
+        code, message = run_attempt(cfg, run, out)
+        if code in (0, 130) or restart == restarts:
+            break
+        print(f"areal-hpc run: {message.splitlines()[0]}; restarting in {cfg.recover_after} s "
+              f"(restart {restart + 1} of {restarts})", file=sys.stderr)  # fmt: skip
+        time.sleep(cfg.recover_after)
+    print(f"areal-hpc run: {message}", file=out if code == 0 else sys.stderr)
+    return code
+
+
+def run_attempt(cfg: ExperimentConfig, run: RunDir, out: TextIO) -> tuple[int, str]:
+    """Start every role of a new attempt and supervise them until the run completes or the attempt fails."""
+    attempt = begin_attempt(run)
+    roles = plan_roles(cfg, run)
+    print(f"attempt {attempt}: roles {', '.join(r.name for r in roles)} (logs in {run.attempt_logs(attempt)})",
+          file=out)  # fmt: skip
     progress = Progress(run, out)
     try:
-        start(roles, run)
-        code, message = supervise(roles, run, progress)
+        start(roles, run, attempt)
+        code, message = supervise(roles, run, attempt, progress)
     except KeyboardInterrupt:
         code, message = 130, "interrupted (Ctrl-C)"
     if code != 0:
         abort(run.root, message.splitlines()[0], "launcher")  # keeps the first cause if a role set one
     stop(roles)
     progress.finish()
-    print(f"areal-hpc run: {message}", file=out if code == 0 else sys.stderr)
-    return code
+    return code, message

@@ -24,6 +24,7 @@ from areal_hpc.control.heartbeat import Heartbeat, last_beat
 from areal_hpc.control.poll import poll_until
 from areal_hpc.control.status import ABORTED, RUNNING, abort, complete, finished_path, get_status, set_status
 from areal_hpc.launch.rundir import RunDir
+from areal_hpc.recover.attempt import current_attempt
 
 START_TIMEOUT_SECS = 600.0
 CONTROLLER_DEAD_SECS = 60.0
@@ -81,7 +82,9 @@ def run_controller(run: RunDir) -> None:
     from areal_hpc.master.trainers import TrainerGroup
 
     cfg = run.load_config()
-    set_status(run.root, RUNNING, role="controller")
+    attempt = current_attempt()
+    set_status(run.root, RUNNING, role="controller", reset=attempt > 0)
+    resume_from = recover_point(cfg, run, attempt)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     ds = cfg.dataset
     train = load_prompt_dataset(ds.path, tokenizer, ds.max_prompt_len, ds.apply_chat_template)
@@ -99,12 +102,42 @@ def run_controller(run: RunDir) -> None:
     graph = build_graph(cfg, trainer_only=True)
     with MathVerifier(n_workers=1) as verifier:
         try:
-            Master(cfg, run, graph, (train, heldout), trainers, clients, verifier, tokenizer).run()
+            master = Master(cfg, run, graph, (train, heldout), trainers, clients, verifier, tokenizer)
+            master.notice.install()  # USR2 / SIGTERM: checkpoint at the end of the step, then stop
+            master.run(resume_from, attempt)
             # Complete before the trainers stop: under Slurm a step that ends before the run is marked
             # finished ends the job as failed.
             complete(run.root, "controller")
         finally:
             trainers.stop()
+
+
+def recover_point(cfg, run: RunDir, attempt: int):
+    """The recover checkpoint this attempt resumes from, or None for a fresh start (`recover_mode`)."""
+    from areal_hpc.recover.checkpoint import Checkpoints
+    from areal_hpc.recover.state import resumes
+
+    ckpts = Checkpoints(run.root, cfg.recover_keep)
+    latest = ckpts.latest() if cfg.recover_mode != "disabled" else None
+    if resumes(cfg.recover_mode, attempt, latest is not None, str(ckpts.root)):
+        logging.info("attempt %d resumes from recover checkpoint %s", attempt, latest)
+        return latest
+    logging.info("attempt %d starts afresh (recover_mode %s)", attempt, cfg.recover_mode)
+    return None
+
+
+def wait_start_point(run: RunDir, attempt: int) -> dict:
+    """Where the controller starts this attempt, once it has resumed or started afresh."""
+
+    def started() -> dict | None:
+        point = fsio.read_json(run.start_point)
+        return point if point and point["attempt"] == attempt else None
+
+    return poll_until(
+        started,
+        START_TIMEOUT_SECS,
+        f"the controller to start attempt {attempt} ({run.start_point})",
+    )
 
 
 def run_rollout(run: RunDir) -> None:
@@ -114,10 +147,11 @@ def run_rollout(run: RunDir) -> None:
 
     from areal_hpc import alloc
     from areal_hpc.algo.math_verify import MathVerifier
+    from areal_hpc.control.ledger import Ledger
     from areal_hpc.data.dataset import ShardedSampler, load_prompt_dataset
     from areal_hpc.data.store import RolloutStore
-    from areal_hpc.gen.manager import GenerationManager
-    from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker
+    from areal_hpc.gen.manager import GenerationManager, ManagerState
+    from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker, used_prompts
     from areal_hpc.master.loop import make_counter
 
     cfg = run.load_config()
@@ -133,14 +167,19 @@ def run_rollout(run: RunDir) -> None:
         cfg, ShardedSampler(len(train), 0, 1, cfg.seed, ds.train_bs_n_seqs)
     ).total_steps
     max_concurrent = cfg.max_concurrent_rollouts or ds.train_bs_n_seqs
+    point = wait_start_point(run, current_attempt())
+    store = RolloutStore(run.root)
+    done, n_stored = used_prompts(Ledger(run.root), store)
+    # Resumed staleness counters: every group trained on or waiting in the store was accepted.
+    state = ManagerState(point["version"], accepted=point["global_step"] * ds.train_bs_n_seqs + n_stored)
     manager = GenerationManager(
         n_servers, ds.train_bs_n_seqs, cfg.max_head_offpolicyness, max_concurrent, cfg.schedule_policy,
-        total_rollouts=total_steps * ds.train_bs_n_seqs,
+        total_rollouts=total_steps * ds.train_bs_n_seqs, state=state,
     )  # fmt: skip
     stop = threading.Event()
     n_workers = cfg.n_rollout_workers or allocation.n_train_gpus
     with MathVerifier(n_workers=2) as verifier:
-        ctx = RolloutContext(cfg, train, clients, verifier, manager, RolloutStore(run.root), tokenizer, stop)
+        ctx = RolloutContext(cfg, train, clients, verifier, manager, store, tokenizer, stop, done)
         workers = [
             RolloutWorker(i, n_workers, ctx, -(-max_concurrent // n_workers)) for i in range(n_workers)
         ]

@@ -57,6 +57,12 @@ class RunDir:
         """{"version": N}: the weight version the servers hold, written after each publication (async)."""
         return self.root / "version.json"
 
+    @property
+    def start_point(self) -> Path:
+        """{"attempt", "global_step", "version"}: where the current attempt starts, written by the controller
+        once it resumed (or started afresh); the rollout role waits for it."""
+        return self.root / "start.json"
+
     def gen_address(self, index: int) -> Path:
         return self.root / "gen_servers" / f"{index}.json"
 

@@ -31,6 +31,10 @@ from areal_hpc.master.freq import FrequencyControl
 from areal_hpc.master.graph import MFC
 from areal_hpc.monitor.progress import write_progress
 from areal_hpc.monitor.stats import StatsLog, step_line
+from areal_hpc.recover.checkpoint import Checkpoints
+from areal_hpc.recover.rewind import rewind, snapshot_tree
+from areal_hpc.recover.signals import Preempted, PreemptNotice
+from areal_hpc.recover.state import check_compatible, identity
 from areal_hpc.weights.publisher import make_publisher
 
 logger = logging.getLogger("master")
@@ -128,6 +132,9 @@ class Master:
         ctrl = cfg.exp_ctrl
         self.save_ctl = FrequencyControl(ctrl.save_freq_epochs, ctrl.save_freq_steps, ctrl.save_freq_secs)
         self.eval_ctl = FrequencyControl(ctrl.eval_freq_epochs, ctrl.eval_freq_steps, ctrl.eval_freq_secs)
+        self.ckpt_ctl = FrequencyControl(ctrl.ckpt_freq_epochs, ctrl.ckpt_freq_steps, ctrl.ckpt_freq_secs)
+        self.ckpts = Checkpoints(run.root, cfg.recover_keep)
+        self.notice = PreemptNotice()  # the role installs it as the signal handler
         self.stats = StatsLog(run.stats)
         self.publisher = None  # made at the first publish
 
@@ -158,10 +165,11 @@ class Master:
         stats[f"timeperf/{mfc.name}"] = time.monotonic() - start
         return stats
 
-    def publish(self) -> dict[str, float]:
-        """The next weight version to every server, as `weight_update_mode` says (`areal_hpc.weights`):
-        broadcast from trainer rank 0, or a snapshot on disk; `timeperf/weight_sync` and the bytes sent."""
-        self.counter.version += 1
+    def publish(self, new_version: bool = True) -> dict[str, float]:
+        """The next weight version (or, resuming, the current one again) to every server, as
+        `weight_update_mode` says (`areal_hpc.weights`): broadcast from trainer rank 0, or a snapshot on
+        disk; `timeperf/weight_sync` and the bytes sent."""
+        self.counter.version += int(new_version)
         if self.publisher is None:  # made once: the broadcast group is set up at the first publish
             self.publisher = make_publisher(self.cfg, self.rundir, self.trainers, self.clients)
         return self.publisher.publish(self.counter.version)
@@ -182,6 +190,54 @@ class Master:
             self.save()
         if self.eval_ctl.check(epochs=int(epoch_done), steps=1):
             self.evaluate()
+        due = self.ckpt_ctl.check(epochs=int(epoch_done), steps=1)
+        if self.cfg.recover_mode != "disabled" and not last and (due or self.notice.reason):
+            self.write_recover()
+        if self.notice.reason and not last:
+            raise Preempted(f"{self.notice.reason}: stopped after global step {c.global_step}")
+
+    # --- recover checkpoints ------------------------------------------------------------------------------
+
+    def write_recover(self) -> None:
+        """A recover checkpoint of the step that just ended: every trainer rank's models, optimizers and
+        generators, the rollout store as it is now, and the controller's counters (`recover_state`)."""
+        step = self.counter.global_step
+        tmp = self.ckpts.begin(step)
+        self.trainers.call_all("recover_save", {"dir": str(tmp)})
+        snapshot_tree(self.store.root, tmp / "rollouts")
+        fsio.write_json(tmp / "controller.json", self.recover_state())
+        path = self.ckpts.commit(tmp, step)
+        logger.info("Dumped recover info to file. (global step %d: %s)", step, path)
+
+    def recover_state(self) -> dict:
+        c = self.counter
+        return {
+            "identity": identity(self.cfg),
+            "global_step": c.global_step,
+            "version": c.version,
+            "sampler": self.sampler.state_dict(),
+            "save_ctl": self.save_ctl.state_dict(),
+            "eval_ctl": self.eval_ctl.state_dict(),
+            "ckpt_ctl": self.ckpt_ctl.state_dict(),
+            "eval_history": self.eval_history,
+        }
+
+    def resume(self, path) -> None:
+        """Continue from recover checkpoint `path`: trainers, counters and run directory as they were then."""
+        state = fsio.read_json(path / "controller.json")
+        check_compatible(state["identity"], self.cfg, str(path))
+        self.trainers.call_all("recover_load", {"dir": str(path)})
+        c = self.counter
+        c.global_step, c.version = state["global_step"], state["version"]
+        self.sampler.load_state_dict(state["sampler"])
+        for name in ("save_ctl", "eval_ctl", "ckpt_ctl"):
+            getattr(self, name).load_state_dict(state[name])
+        self.eval_history = [tuple(e) for e in state["eval_history"]]
+        rewind(self.rundir, c.global_step, c.version, path / "rollouts")
+        if c.version:  # the servers started from actor.path: give them the restored weights
+            self.publish(new_version=False)
+        logger.info("Resumed from %s: global step %d (epoch %d), weight version %d",
+                    path, c.global_step, c.epoch + 1, c.version)  # fmt: skip
 
     def save(self) -> None:
         """A persistent HF checkpoint of the actor (REFERENCE section 1 naming)."""
@@ -233,10 +289,23 @@ class Master:
             stats |= self.run_mfc(mfc, step, len(paths) * self.cfg.group_size)
         stats |= self.publish()
         fsio.write_json(self.rundir.published_version, {"version": self.counter.version})
-        self.ledger.record(self.counter.epoch, step + 1, [a["query_id"] for a in attrs])
+        self.record_used(step + 1, attrs)
         self.store.remove(paths)
         shutil.rmtree(self.rundir.step_data(step), ignore_errors=True)
         self.finish_step(stats, start)
+
+    def record_used(self, step: int, attrs: list[dict]) -> None:
+        """Ledger records of the prompts a step trained on and of those dropped meanwhile, by prompt epoch
+        (the rollout side may run ahead into the next epoch)."""
+        dropped = self.store.dropped()
+        for ids_epochs, was_dropped in (
+            ([(a["query_id"], a["epoch"]) for a in attrs], False),
+            ([(d["query_id"], d["epoch"]) for _, d in dropped], True),
+        ):
+            for epoch in sorted({e for _, e in ids_epochs}):
+                ids = [i for i, e in ids_epochs if e == epoch]
+                self.ledger.record(epoch, step, ids, dropped=was_dropped)
+        self.store.remove([path for path, _ in dropped])
 
     def wait_rollouts(self, n: int) -> list:
         """The n oldest groups of the store, once there; fails when the rollout role stopped beating."""
@@ -271,8 +340,23 @@ class Master:
         self.ledger.record(c.epoch, c.global_step + 1, [p.query_id for p in prompts])  # the step that ends
         shutil.rmtree(self.rundir.step_data(step), ignore_errors=True)
 
-    def run(self) -> list[tuple[int, float]]:
-        """All steps; held-out greedy accuracy before and after. Returns the evaluation history."""
+    def start(self, resume_from, attempt: int) -> None:
+        """Resume from a recover checkpoint, or start afresh (clearing what an earlier attempt left); then
+        tell the other roles where this attempt starts (`RunDir.start_point`)."""
+        if resume_from is not None:
+            self.resume(resume_from)
+        else:
+            rewind(self.rundir, 0, 0)
+        c = self.counter
+        fsio.write_json(
+            self.rundir.start_point,
+            {"attempt": attempt, "global_step": c.global_step, "version": c.version},
+            fsync=True,
+        )
+
+    def run(self, resume_from=None, attempt: int = 0) -> list[tuple[int, float]]:
+        """All steps (from a recover checkpoint if given); held-out greedy accuracy before and after.
+        Returns the evaluation history."""
         step_fn = {"sft": self.sft_step, "ppo": self.async_step if self.cfg.async_rl else self.ppo_step}[
             self.cfg.experiment_type
         ]
@@ -284,7 +368,8 @@ class Master:
             [m.name for m in self.graph],
         )
         self.trainers.call_all("initialize", {"total_train_steps": self.counter.total_steps})
-        if self.cfg.experiment_type == "ppo":
+        self.start(resume_from, attempt)
+        if self.cfg.experiment_type == "ppo" and self.counter.global_step == 0:
             self.evaluate()
         while self.counter.global_step < self.counter.total_steps:
             step_fn()

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from areal_hpc import alloc
 from areal_hpc.config.schema import ExperimentConfig
@@ -24,6 +28,7 @@ from areal_hpc.control.worker import WorkerServer
 from areal_hpc.data.batch import CU, gather, write_batch
 from areal_hpc.launch.rundir import RunDir
 from areal_hpc.master.trainers import trainer_name
+from areal_hpc.recover.rng import rng_state, set_rng_state
 from areal_hpc.train import dist, interfaces
 from areal_hpc.train.engine import TorchEngine
 from areal_hpc.weights.sender import WeightSender, plan_payload
@@ -96,6 +101,30 @@ class TrainerHandlers:
         """HF weights of a model (rank 0 writes; every rank joins, as a later sharded save will need)."""
         path = self.engines[payload["model"]].save_hf(payload["path"])
         return {"path": None if path is None else str(path)}
+
+    # --- recover checkpoints ----------------------------------------------------------------------------------
+
+    def recover_save(self, payload: dict) -> dict:
+        """This rank's part of a recover checkpoint in folder `dir`: the state of every trained model
+        (weights, optimizer, LR schedule) and the rank's random generators."""
+        path = Path(payload["dir"]) / f"{trainer_name(self.rank)}.pt"
+        state = {
+            "engines": {name: e.state_dict() for name, e in self.engines.items() if e.optimizer},
+            "rng": rng_state(),
+        }
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return {"path": str(path)}
+
+    def recover_load(self, payload: dict) -> dict:
+        """Restore what `recover_save` wrote into folder `dir`."""
+        path = Path(payload["dir"]) / f"{trainer_name(self.rank)}.pt"
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        for name, engine_state in state["engines"].items():
+            self.engines[name].load_state_dict(engine_state)
+        set_rng_state(state["rng"])
+        return {"models": sorted(state["engines"])}
 
     # --- weight publication (rank 0 of the training group only) ---------------------------------------------
 

@@ -1,0 +1,81 @@
+"""Cut a run directory back to the step a resume starts from, so that nothing of a lost future survives.
+
+After a crash at step k > S, resuming from the checkpoint of step S leaves traces of steps S+1..k: ledger
+records and statistics (the data would count as used twice), persistent and recover checkpoints, weight
+snapshots and step data. `rewind` removes them and puts the rollout store back as the checkpoint saw it
+(asynchronous RL: groups finished after the checkpoint are generated again). Rewinding to step 0 is a fresh
+start in a used directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from areal_hpc.control import fsio
+from areal_hpc.launch.rundir import RunDir
+from areal_hpc.recover.checkpoint import Checkpoints
+
+_GLOBAL_STEP = re.compile(r"globalstep(\d+)$")
+_VERSION = re.compile(r"^v(\d+)$")
+
+
+def rewind(run: RunDir, step: int, version: int, rollouts: Path | None = None) -> None:
+    """Make `run` look as it did right after global step `step` (weight `version`); `rollouts`: the
+    checkpoint's copy of the rollout store (None: an empty store)."""
+    _keep_lines(run.root / "ledger.jsonl", lambda rec: rec["step"] <= step)
+    _keep_lines(run.stats, lambda row: row["step"] <= step)
+    shutil.rmtree(run.root / "data", ignore_errors=True)
+    for ckpt in (run.root / "checkpoints").glob("*/*"):
+        if (m := _GLOBAL_STEP.search(ckpt.name)) and int(m.group(1)) > step:
+            shutil.rmtree(ckpt)
+    for snapshot in (run.root / "weights").glob("v*"):
+        if (m := _VERSION.match(snapshot.name)) and int(m.group(1)) > version:
+            shutil.rmtree(snapshot)
+    Checkpoints(run.root).remove_after(step)
+    store = run.root / "rollouts"
+    shutil.rmtree(store, ignore_errors=True)
+    if rollouts is not None and rollouts.is_dir():
+        _link_tree(rollouts, store)
+    if run.published_version.exists() or version:
+        fsio.write_json(run.published_version, {"version": version}, fsync=True)
+
+
+def _keep_lines(path: Path, keep) -> None:
+    """Rewrite a JSON-lines file with the lines `keep` accepts (unreadable ones go), atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if keep(json.loads(line)):
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def snapshot_tree(src: Path, dst: Path) -> None:
+    """Hard links of every file of `src` under `dst` (a copy where links are not allowed): cheap, and the
+    store may remove its own names later without touching the checkpoint's."""
+    if src.is_dir():
+        _link_tree(src, dst)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        if path.is_file() and not path.name.startswith("."):  # hidden: a write in progress
+            target = dst / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
