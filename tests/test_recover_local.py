@@ -29,48 +29,74 @@ def final_weights(run):
     return load_file(ckpt / "model.safetensors")
 
 
-def kill_at_step(run, role: str, step: int, timeout: float = 120.0) -> threading.Thread:
-    """A thread that SIGKILLs `role` once the run has finished `step`."""
+def kill_at_step(
+    run, role: str, step: int, sig: int = signal.SIGKILL, timeout: float = 120.0
+) -> threading.Thread:
+    """A thread that sends `sig` to `role` once the run has finished `step`."""
 
     def kill() -> None:
         deadline = time.monotonic() + timeout
         while (fsio.read_json(run.progress) or {}).get("step", 0) < step:
             assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
             time.sleep(0.05)
-        os.kill(role_pids(run.root)[role], signal.SIGKILL)
+        os.kill(role_pids(run.root)[role], sig)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
     return thread
 
 
-def assert_exactly_once(run, steps: int, batch: int) -> None:
+def assert_exactly_once(run, steps: int, batch: int, epochs: int = 1) -> None:
+    """Every step recorded once, and within each epoch no prompt used twice."""
     records = list(Ledger(run.root).records())
-    assert sorted(r.step for r in records) == list(range(1, steps + 1))
-    used = Counter(i for r in records for i in r.ids)
-    assert len(used) == steps * batch and max(used.values()) == 1  # one epoch: no prompt twice
+    assert sorted({r.step for r in records}) == list(range(1, steps + 1))
+    for epoch in range(epochs):
+        used = Counter(i for r in records if r.epoch == epoch for i in r.ids)
+        assert sum(used.values()) == steps // epochs * batch and max(used.values()) == 1, used
     assert [r["step"] for r in read_stats(run.stats) if "timeperf/e2e" in r] == list(range(1, steps + 1))
 
 
-def test_a_killed_controller_resumes_and_ends_bit_for_bit_as_an_uninterrupted_run(toy):
-    common = ["exp_ctrl.ckpt_freq_steps=2", "recover_after=0", "dataset.valid_path=null"]
+def test_a_killed_controller_resumes_and_ends_bit_for_bit_as_an_uninterrupted_run(toy, tmp_path):
+    # 10 prompts, 4 a step: 2 steps an epoch, 3 epochs; the checkpoint used is step 2's, at an epoch boundary.
+    ten = tmp_path / "ten.jsonl"
+    ten.write_text("".join((toy.data / "train.jsonl").read_text().splitlines(keepends=True)[:10]))
+    common = [
+        f"dataset.path={ten}", "exp_ctrl.total_train_epochs=3", "exp_ctrl.benchmark_steps=null",
+        "exp_ctrl.ckpt_freq_steps=2", "recover_after=0", "dataset.valid_path=null",
+    ]  # fmt: skip
     straight = toy.config("straight", STEPS, *common)
     assert run_local(straight) == 0
 
     killed = toy.config("killed", STEPS, *common)
-    killer = kill_at_step(run_dir_of(killed), "controller", 3)  # the newest checkpoint is step 2's
+    killer = kill_at_step(run_dir_of(killed), "controller", 3)
     assert run_local(killed) == 0
     killer.join()
 
     run = run_dir_of(killed)
     assert get_status(run.root).state == "COMPLETE"
-    assert (run.attempt_logs(1) / "controller.log").is_file()
-    assert "resumes from recover checkpoint" in (run.attempt_logs(1) / "controller.log").read_text()
-    assert_exactly_once(run, STEPS, 4)
+    log = (run.attempt_logs(1) / "controller.log").read_text()
+    assert "resumes from recover checkpoint" in log and "step00000002" in log
+    assert_exactly_once(run, STEPS, 4, epochs=3)
     expected, got = final_weights(run_dir_of(straight)), final_weights(run)
     assert all(expected[k].equal(got[k]) for k in expected), (
         "resumed weights differ from the uninterrupted run"
     )
+
+
+def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_there(toy):
+    # No periodic checkpoints: the only one is the notice's.
+    cfg = toy.config(
+        "usr2", 5, "exp_ctrl.ckpt_freq_secs=null", "exp_ctrl.ckpt_freq_steps=null", "recover_after=0",
+        "dataset.valid_path=null",
+    )  # fmt: skip
+    notice = kill_at_step(run_dir_of(cfg), "controller", 2, signal.SIGUSR2)
+    assert run_local(cfg) == 0
+    notice.join()
+    run = run_dir_of(cfg)
+    first, second = ((run.attempt_logs(a) / "controller.log").read_text() for a in (0, 1))
+    assert "Dumped recover info to file." in first and "Preempted" in first
+    assert "resumes from recover checkpoint" in second
+    assert_exactly_once(run, 5, 4)
 
 
 @pytest.mark.parametrize("victim", ["trainer0", "gen_server0"])
@@ -105,4 +131,3 @@ def test_an_asynchronous_run_resumes_with_the_same_ledger_and_close_weights(toy)
     assert by_step[0] == by_step[1]
     expected, got = final_weights(run_dir_of(straight)), final_weights(run)
     assert all(torch.allclose(expected[k], got[k], atol=1e-5) for k in expected)
-
