@@ -62,16 +62,23 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_submit(ns: argparse.Namespace) -> int:
-    from areal_hpc.launch import submit
+    from areal_hpc.launch import runs, submit
 
-    paths, overrides = split_args(ns.args)
-    sub = submit.prepare(load_config(paths, overrides))
+    if ns.recover and ns.args:
+        print("areal-hpc submit: --recover takes no configs or overrides: a run resumes with its own "
+              "config.yaml", file=sys.stderr)  # fmt: skip
+        return 2
+    if ns.recover:
+        sub = submit.prepare_recover(runs.find_run(ns.recover, ns.fileroot))
+    else:
+        paths, overrides = split_args(ns.args)
+        sub = submit.prepare(load_config(paths, overrides))
     if ns.dry_run:
         print(submit.dry_run_text(sub), end="")
         return 0
     job_ids = submit.submit(sub)
     print(submit.describe(sub))
-    print(f"submitted Slurm job(s) {', '.join(job_ids)}")
+    print(f"{'resubmitted' if sub.recover else 'submitted'} Slurm job(s) {', '.join(job_ids)}")
     print(f"follow it: areal-hpc status {sub.run.root}   areal-hpc logs {sub.run.root} -f")
     return 0
 
@@ -161,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--dry-run", action="store_true", help="print the plan and sbatch text; write nothing"
     )
+    submit.add_argument(
+        "--recover",
+        metavar="RUN",
+        help="submit an existing run again (its directory, or experiment/trial under the fileroot); "
+        "it resumes from its newest recover checkpoint as its recover_mode says",
+    )
+    submit.add_argument("--fileroot", default="~/areal_hpc", help="cluster.fileroot of the run to recover")
     submit.set_defaults(func=cmd_submit)
     status = verbs.add_parser(
         "status", help="Slurm state, step, reward and ETA of a run (default: the latest)"

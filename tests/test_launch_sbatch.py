@@ -128,3 +128,30 @@ def test_submit_without_slurm_says_so_and_writes_nothing(tmp_path, capsys, monke
     assert code == 1
     assert "sbatch is not on PATH" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_attempt_requeues_the_job_while_the_configs_retries_last():
+    overrides = ["recover_mode=auto", "recover_retries=3", "recover_after=7"]
+    _, (text,) = scripts_of(config("toy-cpu.yaml", overrides=overrides))
+    # Each run of the script begins an attempt, with the roles' python; exit code 3 (FINISHED) starts nothing.
+    assert 'attempt=$(/opt/areal/bin/python -m areal_hpc.recover.attempt --run-dir "$AREAL_RUN_DIR")' in text
+    assert 'export AREAL_ATTEMPT="$attempt"' in text and 'logs="$AREAL_RUN_DIR/logs/attempt$attempt"' in text
+    assert '[ "$restarts" -ge 3 ]' in text  # restarts: ${SLURM_RESTART_COUNT:-0}
+    assert "sleep 7 & wait $!" in text
+    assert 'scontrol requeue "${SLURM_JOB_ID}" && exit 0' in text
+    assert text.index("areal_hpc.recover.attempt") < text.index("srun ")  # before any step starts
+
+
+def test_recover_mode_disabled_renders_no_requeue():
+    _, (text,) = scripts_of(config("toy-cpu.yaml", overrides=["recover_mode=disabled"]))
+    assert "scontrol requeue" not in text
+    assert "recover_mode is disabled: the job is not requeued" in text
+
+
+def test_the_two_jobs_of_a_run_never_requeue_or_begin_an_attempt_themselves():
+    plan, scripts = scripts_of(config("toy-cpu.yaml", overrides=["cluster.slurm.hetjob=false"]))
+    assert plan.kind == "two-jobs"
+    for text in scripts:
+        assert "scontrol requeue" not in text
+        assert "areal_hpc.recover.attempt" not in text and "\nattempt=0\n" in text  # begun by `submit`
+        assert "areal-hpc submit --recover $AREAL_RUN_DIR" in text

@@ -104,7 +104,8 @@ def test_stop_cancels_every_component_within_10_seconds(slurm_env, tmp_path, tin
 def test_a_crashing_trainer_fails_the_whole_job_within_30_seconds(
     slurm_env, tmp_path, tiny_model_dir, easy_data
 ):
-    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "crash", steps=1000)
+    # Without recovery: a failed attempt ends the job (tests/test_slurm_requeue.py: the requeue).
+    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "crash", 1000, "recover_mode=disabled")
     wait_for_step(run, 1)
     os.kill(role_pid(run, "trainer"), signal.SIGKILL)
     start = time.monotonic()
@@ -113,6 +114,7 @@ def test_a_crashing_trainer_fails_the_whole_job_within_30_seconds(
     assert set(states.values()) == {"FAILED"}, states
     err = next((run.root / "slurm").glob("*_0_log.err")).read_text()
     assert "step trainer ended" in err or "step controller ended" in err, err
+    assert "recover_mode is disabled: the job is not requeued" in err
 
 
 def test_asynchronous_toy_runs_its_rollout_role_in_the_training_component(

@@ -36,10 +36,17 @@ def list_runs(fileroot: str = DEFAULT_FILEROOT) -> list[RunDir]:
     return sorted(runs, key=lambda r: r.config.stat().st_mtime)
 
 
-def slurm_jobs(run: RunDir) -> list[dict]:
-    """The Slurm jobs recorded at submission ([] for a local run)."""
+def recorded_jobs(run: RunDir) -> list[dict]:
+    """Every Slurm job recorded for the run, oldest submission first ([] for a local run)."""
     record = fsio.read_json(run.root / "slurm" / "jobs.json")
     return record["jobs"] if record else []
+
+
+def slurm_jobs(run: RunDir) -> list[dict]:
+    """The Slurm jobs of the run's newest submission (`submit --recover` adds one); [] for a local run."""
+    jobs = recorded_jobs(run)
+    newest = max((j.get("submission", 0) for j in jobs), default=0)
+    return [j for j in jobs if j.get("submission", 0) == newest]
 
 
 def job_ids(run: RunDir) -> list[str]:

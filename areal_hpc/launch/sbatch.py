@@ -41,8 +41,12 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def render(plan: LaunchPlan, job: Job, cfg: ExperimentConfig, version: str) -> str:
-    """The sbatch script of one job of `plan`."""
+def render(plan: LaunchPlan, job: Job, cfg: ExperimentConfig, version: str, attempt: int = 0) -> str:
+    """The sbatch script of one job of `plan`.
+
+    A hetjob or single-job script begins each attempt itself (also after a requeue). The two jobs of a two-job
+    run must not: `areal-hpc submit` begins `attempt` before submitting them, and the script runs that one.
+    """
     prefix = plan.command_prefix.strip()
     return (
         _environment()
@@ -58,6 +62,9 @@ def render(plan: LaunchPlan, job: Job, cfg: ExperimentConfig, version: str) -> s
             setup_commands=plan.setup_commands,
             command_prefix=prefix + " " if prefix else "",
             python=plan.python,
+            begins_attempt=plan.kind != "two-jobs",
+            attempt=attempt,
+            recover={"mode": cfg.recover_mode, "retries": cfg.recover_retries, "after": cfg.recover_after},
         )
     )
 

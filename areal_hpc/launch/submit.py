@@ -2,6 +2,10 @@
 
 Everything that can be wrong with a config is found by `prepare` before a file is written or a job submitted;
 `--dry-run` stops there and prints the plan and the scripts.
+
+`areal-hpc submit --recover RUN` submits an existing run again from its own config.yaml (`prepare_recover`
+checks that it may, `submit` appends the new jobs to `slurm/jobs.json`); the new attempt resumes from the
+newest recover checkpoint as recover_mode says.
 """
 
 from __future__ import annotations
@@ -10,13 +14,23 @@ import dataclasses
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import fsio
+from areal_hpc.control.status import finished_path
 from areal_hpc.launch import slurm
 from areal_hpc.launch.plan import LaunchPlan, PlanError, launch_plan
 from areal_hpc.launch.rundir import RunDir, create_run_dir, default_trial_name, run_dir_of
 from areal_hpc.launch.sbatch import code_version, render
+from areal_hpc.recover.attempt import begin_attempt, next_attempt
+from areal_hpc.recover.checkpoint import Checkpoints
+from areal_hpc.recover.state import RecoverError, resumes
+
+
+class RecoverRefused(ValueError):
+    """A run that `submit --recover` must not submit again; the message names the run and why."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +39,8 @@ class Submission:
     run: RunDir
     plan: LaunchPlan
     scripts: tuple[str, ...]  # one per job of the plan
+    attempt: int = 0  # the attempt it starts (a two-job run's scripts run this one; the others begin it)
+    recover: bool = False  # an existing run submitted again
 
 
 def prepare(cfg: ExperimentConfig) -> Submission:
@@ -38,9 +54,59 @@ def prepare(cfg: ExperimentConfig) -> Submission:
     return Submission(cfg, run, plan, tuple(render(plan, job, cfg, version) for job in plan.jobs))
 
 
+def prepare_recover(run: RunDir) -> Submission:
+    """The resubmission of an existing run, with the plan of its own config.yaml, checked; writes nothing.
+
+    Raises RecoverRefused when the run finished, still has a Slurm job pending or running, has recovery
+    disabled, or must resume (recover_mode resume) but holds no valid recover checkpoint.
+    """
+    cfg = run.load_config()
+    record = fsio.read_json(jobs_path(run))
+    check_recoverable(run, cfg, record)
+    # The original submission's working directory: relative paths of the config resolve there.
+    plan = launch_plan(cfg, run.root, workdir=Path(record.get("workdir") or Path.cwd()))
+    attempt = next_attempt(run)
+    version = code_version()
+    scripts = tuple(render(plan, job, cfg, version, attempt) for job in plan.jobs)
+    return Submission(cfg, run, plan, scripts, attempt, recover=True)
+
+
+def check_recoverable(run: RunDir, cfg: ExperimentConfig, record: dict | None) -> None:
+    """RecoverRefused naming the first reason why `run` must not be submitted again."""
+
+    def refuse(why: str) -> NoReturn:
+        raise RecoverRefused(f"cannot recover {run.root}: {why}")
+
+    if finished_path(run.root).exists():
+        refuse(f"it finished ({finished_path(run.root).name} exists); there is nothing to resume")
+    if not record:
+        refuse(f"it was not submitted to Slurm (no {jobs_path(run)}); `areal-hpc run` restarts local runs")
+    for component, state in live_components(record["jobs"]).items():  # the first one is enough
+        refuse(f"its Slurm job {component} has not ended ({state}); stop it first: areal-hpc stop {run.root}")
+    if cfg.recover_mode == "disabled":
+        refuse("recover_mode is disabled in its config.yaml (no recover checkpoints); start a new trial")
+    ckpts = Checkpoints(run.root)
+    try:
+        resumes(cfg.recover_mode, next_attempt(run), ckpts.latest() is not None, str(ckpts.root))
+    except RecoverError as exc:
+        refuse(str(exc))
+
+
+def live_components(jobs: list[dict]) -> dict[str, str]:
+    """{component id: state} of the recorded jobs that may still run (pending, running, requeued)."""
+    live = {}
+    for job in jobs:
+        # sacct knows a job a moment after sbatch returns: until then it may well be pending.
+        states = slurm.component_states(job["job_id"]) or {job["job_id"]: "not known to sacct yet"}
+        live |= {k: v for k, v in states.items() if v not in slurm.FINAL_STATES}
+    return live
+
+
 def describe(sub: Submission) -> str:
     """The plan in a few lines: jobs, components, steps."""
     lines = [f"run directory: {sub.run.root}", f"layout: {sub.plan.kind}"]
+    if sub.recover:
+        lines.append(f"recover: attempt {sub.attempt}, recover_mode {sub.cfg.recover_mode}")
     for job in sub.plan.jobs:
         lines.append(f"job {job.name}:")
         for i, c in enumerate(job.components):
@@ -64,15 +130,43 @@ def dry_run_text(sub: Submission) -> str:
 
 
 def submit(sub: Submission) -> list[str]:
-    """Create the run directory, write the scripts, submit every job; returns the job ids.
+    """Create the run directory (or reuse it, to recover), write the scripts, submit every job; the job ids.
 
-    If a job fails to submit, the ones submitted before it are cancelled and the run directory is removed.
+    If a job fails to submit, the ones submitted before it are cancelled; a run directory made by this call
+    is removed.
     """
     if shutil.which("sbatch") is None:
         raise slurm.SlurmError("sbatch is not on PATH: run `areal-hpc submit` on a Slurm login node")
-    run = create_run_dir(sub.cfg)
-    folder = run.root / "slurm"
-    folder.mkdir(mode=0o700)
+    if sub.recover:
+        begin_two_jobs_attempt(sub)
+        job_ids = submit_jobs(sub)
+    else:
+        run = create_run_dir(sub.cfg)
+        (run.root / "slurm").mkdir(mode=0o700)
+        try:
+            begin_two_jobs_attempt(sub)
+            job_ids = submit_jobs(sub)
+        except slurm.SlurmError:
+            shutil.rmtree(run.root)  # made by this call and never run: the trial name stays free for a retry
+            raise
+    record(sub, job_ids)
+    return job_ids
+
+
+def begin_two_jobs_attempt(sub: Submission) -> None:
+    """A two-job run's attempt begins here, once: each job beginning its own would clear the other's state."""
+    if sub.plan.kind != "two-jobs":
+        return  # the job script begins it
+    attempt = begin_attempt(sub.run)
+    if attempt != sub.attempt:  # another attempt began since `prepare_recover` looked
+        raise RecoverRefused(
+            f"cannot recover {sub.run.root}: attempt {attempt} began, not {sub.attempt}; try again"
+        )
+
+
+def submit_jobs(sub: Submission) -> list[str]:
+    """Write and submit the scripts in order; if one is refused, cancel those submitted before it."""
+    folder = sub.run.root / "slurm"
     job_ids: list[str] = []
     try:
         for job, text in zip(sub.plan.jobs, sub.scripts, strict=True):
@@ -81,20 +175,29 @@ def submit(sub: Submission) -> list[str]:
     except slurm.SlurmError:
         if job_ids:
             slurm.cancel(job_ids)
-        shutil.rmtree(run.root)  # made by this call and never run: the trial name stays free for a retry
         raise
-    record = {
-        "kind": sub.plan.kind,
-        "submitted": time.time(),
-        "jobs": [
-            {"name": job.name, "job_id": jid, "components": [c.name for c in job.components]}
-            for job, jid in zip(sub.plan.jobs, job_ids, strict=True)
-        ],
-    }
-    fsio.write_json(jobs_path(run), record, fsync=True)
     return job_ids
 
 
-def jobs_path(run: RunDir):
+def record(sub: Submission, job_ids: list[str]) -> None:
+    """Add the submitted jobs to `slurm/jobs.json`, after those of earlier submissions of the run."""
+    old = fsio.read_json(jobs_path(sub.run)) or {"jobs": []}
+    submission = 1 + max((j.get("submission", 0) for j in old["jobs"]), default=-1)
+    now = time.time()
+    new = [
+        {"name": job.name, "job_id": jid, "components": [c.name for c in job.components],
+         "submission": submission, "submitted": now}
+        for job, jid in zip(sub.plan.jobs, job_ids, strict=True)
+    ]  # fmt: skip
+    rec = {
+        "kind": sub.plan.kind,
+        "workdir": old.get("workdir", str(sub.plan.workdir)),
+        "submitted": old.get("submitted", now),
+        "jobs": old["jobs"] + new,
+    }
+    fsio.write_json(jobs_path(sub.run), rec, fsync=True)
+
+
+def jobs_path(run: RunDir) -> Path:
     """Where a submitted run records its Slurm jobs."""
     return run.root / "slurm" / "jobs.json"

@@ -32,10 +32,20 @@ export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 
-attempt="${SLURM_RESTART_COUNT:-0}"
+# Each run of this script (the first, and every requeue) is a new attempt: its own log folder, and the last
+# attempt's coordination state cleared. Exit code 3: the run already finished, so nothing is started.
+attempt=$(/opt/areal/bin/python -m areal_hpc.recover.attempt --run-dir "$AREAL_RUN_DIR")
+rc=$?
+if [ "$rc" = 3 ]; then
+    echo "areal-hpc: job ${SLURM_JOB_ID}: the run already finished; nothing to start"
+    exit 0
+elif [ "$rc" != 0 ]; then
+    echo "areal-hpc: job ${SLURM_JOB_ID}: could not begin an attempt (exit code $rc)" >&2
+    exit "$rc"
+fi
+export AREAL_ATTEMPT="$attempt"
 logs="$AREAL_RUN_DIR/logs/attempt$attempt"
-mkdir -p "$logs"
-echo "areal-hpc: job ${SLURM_JOB_ID} attempt $attempt started on $(hostname) at $(date -Is)"
+echo "areal-hpc: job ${SLURM_JOB_ID} AREAL_ATTEMPT=$attempt (Slurm restart ${SLURM_RESTART_COUNT:-0}) started on $(hostname) at $(date -Is)"
 
 names=()
 pids=()
@@ -61,7 +71,9 @@ forward() {  # send a signal to every step; srun passes it on to the tasks
 }
 # Preemption or the time limit (--signal=B:USR2): the roles write a recover checkpoint.
 trap 'echo "areal-hpc: USR2 at $(date -Is)"; forward USR2' USR2
-trap 'forward TERM' TERM
+# TERM: scancel, the time limit, or Slurm's own requeue end the job; then it must not requeue itself.
+terminated=""
+trap 'terminated=1; forward TERM' TERM
 
 stop_steps() {  # TERM, then KILL whatever is left after the grace period
     forward TERM
@@ -72,6 +84,26 @@ stop_steps() {  # TERM, then KILL whatever is left after the grace period
         sleep 0.5
     done
     forward KILL
+}
+
+# A failed attempt requeues the job (same job id, SLURM_RESTART_COUNT + 1) while recover_retries allow; the
+# next run of this script begins the next attempt, which resumes as recover_mode (auto) says.
+fail() {
+    restarts="${SLURM_RESTART_COUNT:-0}"
+    if [ -n "$terminated" ]; then
+        echo "areal-hpc: the job was terminated (scancel, time limit or preemption): not requeued" >&2
+    elif [ "$restarts" -ge 10 ]; then
+        echo "areal-hpc: attempt $attempt failed and recover_retries (10) are used up" \
+            "($restarts Slurm restarts): the job is not requeued" >&2
+    else
+        echo "areal-hpc: attempt $attempt failed; requeueing job ${SLURM_JOB_ID} in 10 s" \
+            "(Slurm restart $((restarts + 1)) of recover_retries 10)" >&2
+        sleep 10 & wait $!  # `wait`, unlike a plain sleep, lets the TERM trap run at once
+        # Slurm then ends this script; sacct shows this run as REQUEUED, not FAILED, whatever it exits with.
+        [ -z "$terminated" ] && scontrol requeue "${SLURM_JOB_ID}" && exit 0
+        echo "areal-hpc: the job was not requeued (terminated meanwhile, or scontrol requeue failed)" >&2
+    fi
+    exit "$1"
 }
 
 # Wait for the first step to end (a trapped signal also wakes `wait -n`, so look before deciding).
@@ -90,5 +122,5 @@ while true; do
     fi
     echo "areal-hpc: step $ended ended (exit code $rc) before the run finished; ending the job" >&2
     stop_steps
-    exit $(( rc == 0 ? 1 : rc ))
+    fail $(( rc == 0 ? 1 : rc ))
 done

@@ -26,10 +26,12 @@ export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 
-attempt="${SLURM_RESTART_COUNT:-0}"
+# `areal-hpc submit` began this attempt before submitting both jobs of the run (begin_attempt clears state
+# that the other job uses, so neither job may begin one itself).
+attempt=0
+export AREAL_ATTEMPT="$attempt"
 logs="$AREAL_RUN_DIR/logs/attempt$attempt"
-mkdir -p "$logs"
-echo "areal-hpc: job ${SLURM_JOB_ID} attempt $attempt started on $(hostname) at $(date -Is)"
+echo "areal-hpc: job ${SLURM_JOB_ID} AREAL_ATTEMPT=$attempt (Slurm restart ${SLURM_RESTART_COUNT:-0}) started on $(hostname) at $(date -Is)"
 
 names=()
 pids=()
@@ -43,7 +45,9 @@ forward() {  # send a signal to every step; srun passes it on to the tasks
 }
 # Preemption or the time limit (--signal=B:USR2): the roles write a recover checkpoint.
 trap 'echo "areal-hpc: USR2 at $(date -Is)"; forward USR2' USR2
-trap 'forward TERM' TERM
+# TERM: scancel, the time limit, or Slurm's own requeue end the job; then it must not requeue itself.
+terminated=""
+trap 'terminated=1; forward TERM' TERM
 
 stop_steps() {  # TERM, then KILL whatever is left after the grace period
     forward TERM
@@ -54,6 +58,14 @@ stop_steps() {  # TERM, then KILL whatever is left after the grace period
         sleep 0.5
     done
     forward KILL
+}
+
+# The two jobs meet through the run directory, and a new attempt clears the coordination state both use:
+# one job requeued alone would strand the other. A two-job run recovers with `areal-hpc submit --recover`.
+fail() {
+    echo "areal-hpc: a two-job run is not requeued from inside a job; recover it with:" \
+        "areal-hpc submit --recover $AREAL_RUN_DIR" >&2
+    exit "$1"
 }
 
 # Wait for the first step to end (a trapped signal also wakes `wait -n`, so look before deciding).
@@ -72,5 +84,5 @@ while true; do
     fi
     echo "areal-hpc: step $ended ended (exit code $rc) before the run finished; ending the job" >&2
     stop_steps
-    exit $(( rc == 0 ? 1 : rc ))
+    fail $(( rc == 0 ? 1 : rc ))
 done

@@ -1,0 +1,196 @@
+"""Recovery inside Slurm on the real local cluster: a failed attempt requeues its job, retries run out, and
+`areal-hpc submit --recover` submits a stopped run again (or refuses to)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.cli import main
+from areal_hpc.config import load_config
+from areal_hpc.control import fsio
+from areal_hpc.control.status import finished_path, get_status
+from areal_hpc.launch import runs, slurm, submit
+from areal_hpc.launch.rundir import RunDir, create_run_dir
+from areal_hpc.recover.checkpoint import Checkpoints
+from tests.test_slurm_submit import ROOT, submit_toy, toy_overrides
+
+pytestmark = pytest.mark.slurm
+RECOVER = ("recover_mode=auto", "recover_retries=1", "recover_after=1")
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster, monkeypatch):
+    """Slurm's commands (sbatch, sacct, scancel) and submitit see the local cluster."""
+    for key, value in slurm_cluster.env().items():
+        monkeypatch.setenv(key, value)
+    return slurm_cluster
+
+
+@pytest.fixture
+def easy_data(tiny_build) -> Path:
+    return tiny_build.root / "data" / "easy"
+
+
+def role_env(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+
+def wait_role(run: RunDir, role: str, attempt: int, timeout: float = 60.0) -> int:
+    """pid of the `role` task (not its srun) of attempt `attempt` of `run`, once it runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for proc in Path("/proc").iterdir():
+            try:
+                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                env = role_env(int(proc.name))
+            except (OSError, ValueError):
+                continue
+            ours = "areal_hpc.launch.roles" in args and role in args and str(run.root) in args
+            if ours and Path(args[0]).name != "srun" and env.get("AREAL_ATTEMPT") == str(attempt):
+                return int(proc.name)
+        assert time.monotonic() < deadline, f"no {role} of attempt {attempt} within {timeout} s"
+        time.sleep(0.2)
+
+
+def start_requeued(cluster, job_id: str, timeout: float = 60.0) -> None:
+    """Wait until `job_id` was requeued, then see that it starts again.
+
+    Slurm 22.05 leaves a requeued heterogeneous job PENDING (no reason given) until slurmctld's next periodic
+    node ping: one to three minutes on the local cluster. Once the job is eligible again (cred_expire, about
+    11 s), `scontrol reconfigure` does the same bookkeeping at once. A real cluster simply waits for the ping.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        info = cluster.run("scontrol", "show", "job", job_id).stdout
+        if "JobState=RUNNING" in info and "Restarts=0" not in info:
+            return
+        eligible = [dt.datetime.fromisoformat(t) for t in re.findall(r"EligibleTime=(\S+T\S+)", info)]
+        if "JobState=PENDING" in info and eligible and dt.datetime.now() > max(eligible):
+            cluster.run("scontrol", "reconfigure")
+            time.sleep(2)
+        assert time.monotonic() < deadline, f"job {job_id} not running again within {timeout} s:\n{info}"
+        time.sleep(0.5)
+
+
+def job_log(run: RunDir, suffix: str) -> str:
+    return next((run.root / "slurm").glob(f"*_0_log.{suffix}")).read_text()
+
+
+def test_a_killed_trainer_requeues_the_hetjob_and_the_next_attempt_resumes(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    run, (job_id,) = submit_toy(
+        tmp_path, tiny_model_dir, easy_data, "requeue", 3, *RECOVER, "exp_ctrl.ckpt_freq_steps=1"
+    )
+    deadline = time.monotonic() + 90
+    while Checkpoints(run.root).latest() is None:  # a step trained and checkpointed
+        assert time.monotonic() < deadline, runs.log_files(run)
+        time.sleep(0.2)
+    os.kill(wait_role(run, "trainer", 0), signal.SIGKILL)
+
+    start_requeued(slurm_env, job_id)  # the same job, both components
+    trainer = role_env(wait_role(run, "trainer", 1))
+    assert trainer["SLURM_RESTART_COUNT"] == "1"
+    assert "attempt 0 failed; requeueing job" in job_log(run, "err")
+    out = job_log(run, "out")
+    assert "AREAL_ATTEMPT=0 (Slurm restart 0)" in out and "AREAL_ATTEMPT=1 (Slurm restart 1)" in out
+
+    states = slurm.wait_final([job_id], timeout=90)
+    assert set(states.values()) == {"COMPLETED"}, (states, runs.log_files(run))
+    history = slurm_env.run("sacct", "-j", job_id, "-D", "-X", "-n", "-P", "-o", "JobID,State").stdout
+    assert "|REQUEUED" in history and "FAILED" not in history, history  # the first run is not a failure
+    assert sorted(p.name for p in run.logs.glob("attempt*")) == ["attempt0", "attempt1"]
+    # The resume itself (controller, recover/): attempt 1 started from the checkpoint of a step, not afresh.
+    start = fsio.read_json(run.start_point)
+    assert start["attempt"] == 1 and start["global_step"] >= 1, start
+    assert get_status(run.root).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 3
+
+
+def test_a_job_whose_retries_are_used_up_fails_without_another_attempt(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "used-up", 1000, *RECOVER)
+    os.kill(wait_role(run, "trainer", 0), signal.SIGKILL)
+    start_requeued(slurm_env, job_id)
+    os.kill(wait_role(run, "trainer", 1), signal.SIGKILL)
+    states = slurm.wait_final([job_id], timeout=30)
+    assert set(states.values()) == {"FAILED"}, states
+    assert "recover_retries (1) are used up (1 Slurm restarts)" in job_log(run, "err")
+    assert not run.attempt_logs(2).exists()
+
+
+def made_run(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, *extra: str) -> RunDir:
+    """A run directory as `areal-hpc submit` makes it, with no Slurm job recorded yet."""
+    overrides = [*toy_overrides(tmp_path, tiny_model_dir, data, trial, 2), *extra]
+    sub = submit.prepare(load_config([ROOT / "configs/toy-cpu.yaml"], overrides))
+    run = create_run_dir(sub.cfg)
+    (run.root / "slurm").mkdir()
+    fsio.write_json(submit.jobs_path(run), {"kind": sub.plan.kind, "workdir": str(ROOT), "jobs": []})
+    return run
+
+
+def test_submit_recover_refuses_a_finished_run(tmp_path, tiny_model_dir, easy_data, capsys):
+    run = made_run(tmp_path, tiny_model_dir, easy_data, "done")
+    finished_path(run.root).touch()
+    assert main(["submit", "--recover", "toy-cpu/done", "--fileroot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot recover {run.root}: it finished (FINISHED exists)" in err
+
+
+@pytest.mark.parametrize(
+    "mode, why",
+    [("disabled", "recover_mode is disabled"), ("resume", "recover_mode is resume but")],
+)
+def test_submit_recover_refuses_a_run_that_cannot_resume(
+    tmp_path, tiny_model_dir, easy_data, capsys, mode, why
+):
+    run = made_run(tmp_path, tiny_model_dir, easy_data, mode, f"recover_mode={mode}")
+    assert main(["submit", "--recover", str(run.root)]) == 2
+    assert f"cannot recover {run.root}: {why}" in capsys.readouterr().err
+    assert not (run.root / "slurm" / f"toy-cpu_{mode}.sh").exists()  # nothing submitted
+
+
+def test_submit_recover_refuses_a_live_job_then_resubmits_the_stopped_run(
+    slurm_env, tmp_path, tiny_model_dir, easy_data, capsys
+):
+    run, (first,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "live", 1000, *RECOVER)
+    assert main(["submit", "--recover", str(run.root)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"cannot recover {run.root}: its Slurm job {first}(\+0)? has not ended \(", err), err
+    runs.stop(run, timeout=30)
+
+    assert main(["submit", "--recover", str(run.root), "--dry-run"]) == 0
+    # Attempt 0, or 1 if the first job began attempt 0 before it was stopped.
+    attempt = int(re.search(r"recover: attempt (\d+)", capsys.readouterr().out).group(1))
+    assert main(["submit", "--recover", str(run.root)]) == 0
+    assert "resubmitted Slurm job(s)" in capsys.readouterr().out
+    (second,) = runs.job_ids(run)  # status and stop see the newest job; jobs.json keeps both
+    assert second != first
+    assert [j["job_id"] for j in runs.recorded_jobs(run)] == [first, second]
+    wait_role(run, "controller", attempt)
+    states = runs.stop(run, timeout=30)  # sacct may show a young hetjob as N, not N+0 and N+1
+    assert {component.split("+")[0] for component in states} == {second}
+
+
+def test_a_two_job_run_is_recovered_by_the_submitting_host_beginning_the_attempt(
+    slurm_env, tmp_path, tiny_model_dir, easy_data, capsys
+):
+    run = made_run(tmp_path, tiny_model_dir, easy_data, "two", "cluster.slurm.hetjob=false")
+    run.attempt_logs(0).mkdir()  # an earlier attempt
+    assert main(["submit", "--recover", str(run.root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "recover: attempt 1" in out and out.count("\nattempt=1\n") == 2
+    assert "areal_hpc.recover.attempt" not in out
+    assert main(["submit", "--recover", str(run.root)]) == 0
+    assert run.attempt_logs(1).is_dir()  # begun here, before either job started
+    wait_role(run, "controller", 1)  # the training job runs attempt 1 (AREAL_ATTEMPT=1) without beginning one
+    assert not run.attempt_logs(2).exists()
+    assert len(runs.stop(run, timeout=30)) == 2
