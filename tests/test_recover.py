@@ -20,7 +20,7 @@ from areal_hpc.master.loop import Master
 from areal_hpc.monitor.stats import StatsLog, read_stats
 from areal_hpc.recover import attempt
 from areal_hpc.recover.checkpoint import Checkpoints
-from areal_hpc.recover.rewind import rewind
+from areal_hpc.recover.rewind import rewind, save_into
 from areal_hpc.recover.state import RecoverError, check_compatible, identity, resumes
 from tests.helpers import REPO_ROOT
 
@@ -93,14 +93,17 @@ def test_rewinding_removes_every_trace_of_steps_after_the_checkpoint(tmp_path):
         ledger.record(0, step, [f"q{step}"])
         stats.write(step, {"loss": float(step)})
         (run.checkpoint("actor", 0, step, step)).mkdir(parents=True)
+        if step == 2:  # the checkpoint saves the ledger and the store of this moment
+            (tmp_path / "rollouts").mkdir()
+            (tmp_path / "rollouts" / "early.h5").write_bytes(b"in the checkpoint")
+            saved = tmp_path / "recover" / "step00000002"
+            saved.mkdir(parents=True)
+            save_into(run, saved)
     (run.step_data(3)).mkdir(parents=True)
-    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "early.h5").unlink()  # trained on by step 3
     (tmp_path / "rollouts" / "late.h5").write_bytes(b"made after the checkpoint")
-    saved = tmp_path / "ckpt-rollouts"
-    saved.mkdir()
-    (saved / "early.h5").write_bytes(b"in the checkpoint")
 
-    rewind(run, step=2, version=2, rollouts=saved)
+    rewind(run, step=2, version=2, saved=saved)
 
     assert [r.step for r in ledger.records()] == [1, 2]
     assert [r["step"] for r in read_stats(run.stats)] == [1, 2]
@@ -111,6 +114,14 @@ def test_rewinding_removes_every_trace_of_steps_after_the_checkpoint(tmp_path):
     assert not (tmp_path / "data").exists()
     assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["early.h5"]
     assert fsio.read_json(run.published_version) == {"version": 2}
+
+
+def test_a_fresh_start_in_a_used_directory_clears_the_earlier_attempts_traces(tmp_path):
+    run = RunDir(tmp_path)
+    Ledger(tmp_path).record(0, 1, ["q1"])
+    StatsLog(run.stats).write(1, {"loss": 1.0})
+    rewind(run, step=0, version=0)
+    assert list(Ledger(tmp_path).records()) == [] and read_stats(run.stats) == []
 
 
 def test_each_attempt_gets_its_log_folder_and_a_clean_coordination_state(tmp_path):

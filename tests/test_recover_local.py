@@ -4,6 +4,7 @@ recover checkpoint, ending as if nothing had happened."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -18,6 +19,7 @@ from areal_hpc.control.ledger import Ledger
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
 from areal_hpc.launch.rundir import run_dir_of
+from areal_hpc.launch.runs import status_lines
 from areal_hpc.monitor.stats import read_stats
 from tests.helpers import role_pids
 
@@ -97,6 +99,9 @@ def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_th
     assert "Dumped recover info to file." in first and "Preempted" in first
     assert "resumes from recover checkpoint" in second
     assert_exactly_once(run, 5, 4)
+    assert re.search(
+        r"recover checkpoint: global step [23], written \d+ min ago", "\n".join(status_lines(run))
+    )
 
 
 @pytest.mark.parametrize("victim", ["trainer0", "gen_server0"])

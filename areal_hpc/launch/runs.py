@@ -13,6 +13,7 @@ from areal_hpc.control.status import get_status
 from areal_hpc.launch import slurm
 from areal_hpc.launch.rundir import RunDir
 from areal_hpc.monitor.progress import progress_line
+from areal_hpc.recover.checkpoint import Checkpoints
 
 DEFAULT_FILEROOT = "~/areal_hpc"
 
@@ -54,7 +55,8 @@ def job_ids(run: RunDir) -> list[str]:
 
 
 def status_lines(run: RunDir) -> list[str]:
-    """Slurm state of each component, the run's own state, and step, reward and ETA."""
+    """Slurm state of each component, the run's own state, step, reward and ETA, and the newest recover
+    checkpoint."""
     lines = [f"run {run.root}"]
     for job in slurm_jobs(run):
         states = slurm.component_states(job["job_id"])
@@ -71,7 +73,18 @@ def status_lines(run: RunDir) -> list[str]:
     progress = fsio.read_json(run.progress)
     if progress:
         lines.append("  " + progress_line(progress))
+    lines.append("  " + recover_line(run))
     return lines
+
+
+def recover_line(run: RunDir) -> str:
+    """The newest recover checkpoint (by name: checking its files is the resuming controller's job)."""
+    steps = Checkpoints(run.root).steps()
+    if not steps:
+        return "recover checkpoint: none yet"
+    path = Checkpoints(run.root).path(steps[-1])
+    age = time.time() - path.stat().st_mtime
+    return f"recover checkpoint: global step {steps[-1]}, written {age / 60:.0f} min ago ({path})"
 
 
 def stop(run: RunDir, timeout: float = 60.0) -> dict[str, str]:

@@ -32,7 +32,7 @@ from areal_hpc.master.graph import MFC
 from areal_hpc.monitor.progress import write_progress
 from areal_hpc.monitor.stats import StatsLog, step_line
 from areal_hpc.recover.checkpoint import Checkpoints
-from areal_hpc.recover.rewind import rewind, snapshot_tree
+from areal_hpc.recover.rewind import rewind, save_into
 from areal_hpc.recover.signals import Preempted, PreemptNotice
 from areal_hpc.recover.state import check_compatible, identity
 from areal_hpc.weights.publisher import make_publisher
@@ -200,11 +200,12 @@ class Master:
 
     def write_recover(self) -> None:
         """A recover checkpoint of the step that just ended: every trainer rank's models, optimizers and
-        generators, the rollout store as it is now, and the controller's counters (`recover_state`)."""
+        generators, the ledger and the rollout store as they are now, and the controller's counters
+        (`recover_state`)."""
         step = self.counter.global_step
         tmp = self.ckpts.begin(step)
         self.trainers.call_all("recover_save", {"dir": str(tmp)})
-        snapshot_tree(self.store.root, tmp / "rollouts")
+        save_into(self.rundir, tmp)
         fsio.write_json(tmp / "controller.json", self.recover_state())
         path = self.ckpts.commit(tmp, step)
         logger.info("Dumped recover info to file. (global step %d: %s)", step, path)
@@ -233,7 +234,7 @@ class Master:
         for name in ("save_ctl", "eval_ctl", "ckpt_ctl"):
             getattr(self, name).load_state_dict(state[name])
         self.eval_history = [tuple(e) for e in state["eval_history"]]
-        rewind(self.rundir, c.global_step, c.version, path / "rollouts")
+        rewind(self.rundir, c.global_step, c.version, path)
         if c.version:  # the servers started from actor.path: give them the restored weights
             self.publish(new_version=False)
         logger.info("Resumed from %s: global step %d (epoch %d), weight version %d",

@@ -2,9 +2,9 @@
 
 After a crash at step k > S, resuming from the checkpoint of step S leaves traces of steps S+1..k: ledger
 records and statistics (the data would count as used twice), persistent and recover checkpoints, weight
-snapshots and step data. `rewind` removes them and puts the rollout store back as the checkpoint saw it
-(asynchronous RL: groups finished after the checkpoint are generated again). Rewinding to step 0 is a fresh
-start in a used directory.
+snapshots and step data. `rewind` removes them, and puts back the ledger and the rollout store as the
+checkpoint saved them (asynchronous RL: groups finished after the checkpoint are generated again). Rewinding
+to step 0 is a fresh start in a used directory.
 """
 
 from __future__ import annotations
@@ -19,14 +19,19 @@ from areal_hpc.control import fsio
 from areal_hpc.launch.rundir import RunDir
 from areal_hpc.recover.checkpoint import Checkpoints
 
+LEDGER, ROLLOUTS = "ledger.jsonl", "rollouts"  # names in the run directory and in a recover checkpoint
 _GLOBAL_STEP = re.compile(r"globalstep(\d+)$")
 _VERSION = re.compile(r"^v(\d+)$")
 
 
-def rewind(run: RunDir, step: int, version: int, rollouts: Path | None = None) -> None:
-    """Make `run` look as it did right after global step `step` (weight `version`); `rollouts`: the
-    checkpoint's copy of the rollout store (None: an empty store)."""
-    _keep_lines(run.root / "ledger.jsonl", lambda rec: rec["step"] <= step)
+def rewind(run: RunDir, step: int, version: int, saved: Path | None = None) -> None:
+    """Make `run` look as it did right after global step `step` (weight `version`); `saved`: the recover
+    checkpoint holding the ledger and rollout store of that moment (None: a fresh start, both empty)."""
+    ledger = run.root / LEDGER
+    if saved is not None and (saved / LEDGER).is_file():
+        shutil.copyfile(saved / LEDGER, ledger)
+    else:
+        _keep_lines(ledger, lambda rec: rec["step"] <= step)
     _keep_lines(run.stats, lambda row: row["step"] <= step)
     shutil.rmtree(run.root / "data", ignore_errors=True)
     for ckpt in (run.root / "checkpoints").glob("*/*"):
@@ -36,10 +41,10 @@ def rewind(run: RunDir, step: int, version: int, rollouts: Path | None = None) -
         if (m := _VERSION.match(snapshot.name)) and int(m.group(1)) > version:
             shutil.rmtree(snapshot)
     Checkpoints(run.root).remove_after(step)
-    store = run.root / "rollouts"
+    store = run.root / ROLLOUTS
     shutil.rmtree(store, ignore_errors=True)
-    if rollouts is not None and rollouts.is_dir():
-        _link_tree(rollouts, store)
+    if saved is not None and (saved / ROLLOUTS).is_dir():
+        _link_tree(saved / ROLLOUTS, store)
     if run.published_version.exists() or version:
         fsio.write_json(run.published_version, {"version": version}, fsync=True)
 
@@ -63,11 +68,15 @@ def _keep_lines(path: Path, keep) -> None:
     os.replace(tmp, path)
 
 
-def snapshot_tree(src: Path, dst: Path) -> None:
-    """Hard links of every file of `src` under `dst` (a copy where links are not allowed): cheap, and the
-    store may remove its own names later without touching the checkpoint's."""
-    if src.is_dir():
-        _link_tree(src, dst)
+def save_into(run: RunDir, ckpt: Path) -> None:
+    """The ledger and the rollout store, as they are now, into the recover checkpoint being built at `ckpt`.
+
+    The store's files are hard links (a copy where links are not allowed): cheap, and the store may remove
+    its own names later without touching the checkpoint's."""
+    if (run.root / LEDGER).is_file():
+        shutil.copyfile(run.root / LEDGER, ckpt / LEDGER)
+    if (run.root / ROLLOUTS).is_dir():
+        _link_tree(run.root / ROLLOUTS, ckpt / ROLLOUTS)
 
 
 def _link_tree(src: Path, dst: Path) -> None:
