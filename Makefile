@@ -6,10 +6,11 @@ TINY ?= .cache/tiny
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv tiny test lint format docs demo bench clean slurm-up slurm-down
+.PHONY: help venv tiny test test-faults lint format docs demo bench clean slurm-up slurm-down
 
 help:
-	@echo "make test   - create the environment and run the whole test suite"
+	@echo "make test   - create the environment and run the test suite but its slow tests"
+	@echo "make test-faults - every fault-injection test on the local Slurm cluster (minutes each)"
 	@echo "make demo   - create the environment, build the tiny model and run the embedded default"
 	@echo "make lint   - ruff check and format check"
 	@echo "make docs   - regenerate docs/config.md from the config schema"
@@ -31,9 +32,14 @@ venv: $(STAMP)
 tiny: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/build_tiny_model.py --out $(TINY) --seed 1
 
-# Lint first: a style slip fails CI as a test would.
+# Lint first: a style slip fails CI as a test would. Tests marked slow (most fault injections) are left out.
 test: lint tiny
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+
+# Faults injected into a toy run on the local Slurm cluster (tests/test_faults.py), the slow ones included.
+# AREAL_FAULT_REPORT=FILE collects a JSON line per fault: `python3 tools/fault_table.py FILE` tabulates them.
+test-faults: tiny
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m faults
 
 lint: $(STAMP)
 	$(BIN)/ruff check areal_hpc tools tests

@@ -11,12 +11,16 @@ the fixture are skipped with the reason; AREAL_SLURM_REQUIRED=1 (CI) turns those
 
 Every Slurm command needs `slurm_cluster.env()` (SLURM_CONF and PATH) in its environment: use
 `slurm_cluster.run("sbatch", ...)`, or for submitit `monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))`.
+
+The helpers below find the role processes of a run (the cluster's nodes are this machine's processes) and
+follow a job through a requeue.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +46,12 @@ def slurm_cluster() -> Iterator[slurm_local.Cluster]:
     """A running local Slurm cluster: nodes n1-n4 (gpu:2 each), partitions gen, train, all, urgent."""
     for root in (slurm_local.default_root(), own_root()):
         if slurm_local.is_running(root):
+            if not slurm_local.config_is_current(root):  # e.g. started before SlurmdTimeout was set
+                warnings.warn(
+                    f"the Slurm cluster at {root} runs an older slurm.conf than tools/slurm_local/templates: "
+                    "requeue tests may be slow or time out; restart it (make slurm-down slurm-up)",
+                    stacklevel=1,
+                )
             yield slurm_local.Cluster(Path(root).absolute())
             return
     ok, reason = slurm_local.can_run()
@@ -87,3 +97,46 @@ def wait_for_job(
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id}: sacct rows {rows} not final after {timeout:.0f} s: {states}")
         time.sleep(0.2)
+
+
+def role_env(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+
+def wait_role(run, role: str, attempt: int, timeout: float = 60.0) -> int:
+    """pid of the `role` task (not its srun) of attempt `attempt` of `run` (a RunDir), once it runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for proc in Path("/proc").iterdir():
+            try:
+                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                env = role_env(int(proc.name))
+            except (OSError, ValueError):
+                continue
+            ours = "areal_hpc.launch.roles" in args and role in args and str(run.root) in args
+            if ours and Path(args[0]).name != "srun" and env.get("AREAL_ATTEMPT") == str(attempt):
+                return int(proc.name)
+        assert time.monotonic() < deadline, f"no {role} of attempt {attempt} within {timeout} s"
+        time.sleep(0.2)
+
+
+def start_requeued(cluster: slurm_local.Cluster, job_id: str, timeout: float = 150.0) -> None:
+    """Wait until `job_id` was requeued and runs again.
+
+    A requeued job may start once cred_expire (10 s) has passed; Slurm 22.05 starts a heterogeneous one only
+    at slurmctld's next node ping, every SlurmdTimeout / 3 (10 s on the local cluster): about 11-21 s. The
+    timeout leaves room for a cluster started before SlurmdTimeout was set (a ping every 100 s).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        info = cluster.run("scontrol", "show", "job", job_id).stdout
+        if "JobState=RUNNING" in info and "Restarts=0" not in info:
+            return
+        assert time.monotonic() < deadline, f"job {job_id} not running again within {timeout} s:\n{info}"
+        time.sleep(0.5)
+
+
+def job_log(run, suffix: str) -> str:
+    """The job script's own output (`out`) or errors (`err`) of `run`, every attempt appended."""
+    return next((run.root / "slurm").glob(f"*_0_log.{suffix}")).read_text()

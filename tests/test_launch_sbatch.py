@@ -136,7 +136,8 @@ def test_a_failed_attempt_requeues_the_job_while_the_configs_retries_last():
     # Each run of the script begins an attempt, with the roles' python; exit code 3 (FINISHED) starts nothing.
     assert 'attempt=$(/opt/areal/bin/python -m areal_hpc.recover.attempt --run-dir "$AREAL_RUN_DIR")' in text
     assert 'export AREAL_ATTEMPT="$attempt"' in text and 'logs="$AREAL_RUN_DIR/logs/attempt$attempt"' in text
-    assert '[ "$restarts" -ge 3 ]' in text  # restarts: ${SLURM_RESTART_COUNT:-0}
+    assert '[ "$failures" -ge 3 ]' in text  # failed attempts, counted in the run directory
+    assert '[ "$1" = 75 ]' in text  # stopped on a notice with a checkpoint: requeued, not counted
     assert "sleep 7 & wait $!" in text
     assert 'scontrol requeue "${SLURM_JOB_ID}" && exit 0' in text
     assert text.index("areal_hpc.recover.attempt") < text.index("srun ")  # before any step starts

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ from areal_hpc.control.status import finished_path, get_status
 from areal_hpc.launch import runs, slurm, submit
 from areal_hpc.launch.rundir import RunDir, create_run_dir
 from areal_hpc.recover.checkpoint import Checkpoints
+from tests.slurm import job_log, role_env, start_requeued, wait_role
 from tests.test_slurm_submit import ROOT, submit_toy, toy_overrides
 
 pytestmark = pytest.mark.slurm
@@ -36,52 +36,6 @@ def slurm_env(slurm_cluster, monkeypatch):
 @pytest.fixture
 def easy_data(tiny_build) -> Path:
     return tiny_build.root / "data" / "easy"
-
-
-def role_env(pid: int) -> dict[str, str]:
-    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    return dict(p.split("=", 1) for p in pairs if "=" in p)
-
-
-def wait_role(run: RunDir, role: str, attempt: int, timeout: float = 60.0) -> int:
-    """pid of the `role` task (not its srun) of attempt `attempt` of `run`, once it runs."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for proc in Path("/proc").iterdir():
-            try:
-                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-                env = role_env(int(proc.name))
-            except (OSError, ValueError):
-                continue
-            ours = "areal_hpc.launch.roles" in args and role in args and str(run.root) in args
-            if ours and Path(args[0]).name != "srun" and env.get("AREAL_ATTEMPT") == str(attempt):
-                return int(proc.name)
-        assert time.monotonic() < deadline, f"no {role} of attempt {attempt} within {timeout} s"
-        time.sleep(0.2)
-
-
-def start_requeued(cluster, job_id: str, timeout: float = 60.0) -> None:
-    """Wait until `job_id` was requeued, then see that it starts again.
-
-    Slurm 22.05 leaves a requeued heterogeneous job PENDING (no reason given) until slurmctld's next periodic
-    node ping: one to three minutes on the local cluster. Once the job is eligible again (cred_expire, about
-    11 s), `scontrol reconfigure` does the same bookkeeping at once. A real cluster simply waits for the ping.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        info = cluster.run("scontrol", "show", "job", job_id).stdout
-        if "JobState=RUNNING" in info and "Restarts=0" not in info:
-            return
-        eligible = [dt.datetime.fromisoformat(t) for t in re.findall(r"EligibleTime=(\S+T\S+)", info)]
-        if "JobState=PENDING" in info and eligible and dt.datetime.now() > max(eligible):
-            cluster.run("scontrol", "reconfigure")
-            time.sleep(2)
-        assert time.monotonic() < deadline, f"job {job_id} not running again within {timeout} s:\n{info}"
-        time.sleep(0.5)
-
-
-def job_log(run: RunDir, suffix: str) -> str:
-    return next((run.root / "slurm").glob(f"*_0_log.{suffix}")).read_text()
 
 
 def test_a_killed_trainer_requeues_the_hetjob_and_the_next_attempt_resumes(
@@ -123,7 +77,7 @@ def test_a_job_whose_retries_are_used_up_fails_without_another_attempt(
     os.kill(wait_role(run, "trainer", 1), signal.SIGKILL)
     states = slurm.wait_final([job_id], timeout=30)
     assert set(states.values()) == {"FAILED"}, states
-    assert "recover_retries (1) are used up (1 Slurm restarts)" in job_log(run, "err")
+    assert "recover_retries (1) are used up (1 failed attempts)" in job_log(run, "err")
     assert not run.attempt_logs(2).exists()
 
 

@@ -25,6 +25,7 @@ from areal_hpc.control.poll import poll_until
 from areal_hpc.control.status import ABORTED, RUNNING, abort, complete, finished_path, get_status, set_status
 from areal_hpc.launch.rundir import RunDir
 from areal_hpc.recover.attempt import current_attempt
+from areal_hpc.recover.signals import EXIT_PREEMPTED, Preempted
 
 START_TIMEOUT_SECS = 600.0
 CONTROLLER_DEAD_SECS = 60.0
@@ -301,6 +302,10 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
                 run_gen_server(run, index)
         except SystemExit:
             raise
+        except Preempted as exc:  # no failure: the next attempt resumes from the checkpoint just written
+            logging.warning("Preempted: %s", exc)
+            abort(run.root, f"Preempted: {exc}", name)
+            return EXIT_PREEMPTED
         except BaseException as exc:
             logging.error("%s failed:\n%s", name, traceback.format_exc())
             abort(run.root, f"{type(exc).__name__}: {exc}", name)

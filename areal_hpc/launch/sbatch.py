@@ -13,6 +13,7 @@ import jinja2
 
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.launch.plan import Job, LaunchPlan, Step
+from areal_hpc.recover.signals import EXIT_PREEMPTED
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
 
@@ -64,7 +65,12 @@ def render(plan: LaunchPlan, job: Job, cfg: ExperimentConfig, version: str, atte
             python=plan.python,
             begins_attempt=plan.kind != "two-jobs",
             attempt=attempt,
-            recover={"mode": cfg.recover_mode, "retries": cfg.recover_retries, "after": cfg.recover_after},
+            recover={
+                "mode": cfg.recover_mode,
+                "retries": cfg.recover_retries,
+                "after": cfg.recover_after,
+                "preempted_code": EXIT_PREEMPTED,
+            },
         )
     )
 

@@ -13,6 +13,9 @@ import signal
 import sys
 
 logger = logging.getLogger("recover")
+# The controller's exit code after it stopped on a notice with a recover checkpoint written (EX_TEMPFAIL):
+# the job script requeues without counting a failure.
+EXIT_PREEMPTED = 75
 
 
 class PreemptNotice:

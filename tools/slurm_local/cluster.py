@@ -174,6 +174,22 @@ def is_running(root: Path | str | None = None) -> bool:
     return (root / MARKER).exists() and bool(live_daemons(root))
 
 
+def config_is_current(root: Path | str) -> bool:
+    """Whether the cluster at root runs the slurm.conf that the templates give now (a cluster started
+    before a template changed keeps its old settings until it is restarted)."""
+    root = Path(root).absolute()
+    try:
+        base = json.loads((root / MARKER).read_text())["port_base"]
+        running = (root / "etc" / "slurm.conf").read_text()
+    except (OSError, ValueError, KeyError):
+        return False
+    return _settings(running) == _settings(_render(root, base)["slurm.conf"])
+
+
+def _settings(conf: str) -> list[str]:
+    return [line for line in conf.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
 def start(root: Path | str | None = None, port_base: int | None = None, timeout: float = 60.0) -> Cluster:
     """Start a fresh cluster at root and wait until its four nodes are idle and sacct answers."""
     root = Path(root or default_root()).absolute()
@@ -197,7 +213,7 @@ def start(root: Path | str | None = None, port_base: int | None = None, timeout:
     ports = _ports(base)
     _check_ports_free(ports)
     shutil.rmtree(root, ignore_errors=True)  # a stale root: its daemons are dead
-    _write_files(root, base, ports)
+    _write_files(root, base)
     cluster = Cluster(root)
     try:
         _start_munge(cluster)
@@ -229,10 +245,9 @@ def _check_ports_free(ports: dict[str, int]) -> None:
                 ) from e
 
 
-def _write_files(root: Path, base: int, ports: dict[str, int]) -> None:
-    for sub in ("etc", "run", "log", "db", "dev", "spool/ctld", *(f"spool/{n}" for n in NODES)):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    (root / MARKER).write_text(json.dumps({"cluster": CLUSTER_NAME, "port_base": base}) + "\n")
+def _render(root: Path, base: int) -> dict[str, str]:
+    """The text of each configuration file of a cluster at root on ports from base."""
+    ports = _ports(base)
     values = {
         "root": str(root),
         "cluster": CLUSTER_NAME,
@@ -242,8 +257,15 @@ def _write_files(root: Path, base: int, ports: dict[str, int]) -> None:
         "db_port": ports["db"],
         "node_ports": f"{ports[NODES[0]]}-{ports[NODES[-1]]}",
     }
-    for name in ("slurm.conf", "gres.conf", "slurmdbd.conf", "my.cnf"):
-        text = Template((TEMPLATES / name).read_text()).substitute(values)
+    names = ("slurm.conf", "gres.conf", "slurmdbd.conf", "my.cnf")
+    return {name: Template((TEMPLATES / name).read_text()).substitute(values) for name in names}
+
+
+def _write_files(root: Path, base: int) -> None:
+    for sub in ("etc", "run", "log", "db", "dev", "spool/ctld", *(f"spool/{n}" for n in NODES)):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    (root / MARKER).write_text(json.dumps({"cluster": CLUSTER_NAME, "port_base": base}) + "\n")
+    for name, text in _render(root, base).items():
         (root / "etc" / name).write_text(text)
     (root / "etc" / "slurmdbd.conf").chmod(0o600)  # slurmdbd refuses a readable file (it holds a password)
     for i in range(2):  # fake GPUs: character devices like /dev/null; a regular file is rejected
@@ -389,6 +411,8 @@ def status(root: Path | str | None = None) -> str:
     lines = [
         f"{name:12} " + (f"alive, pid {live[name]}" if name in live else "not running") for name in names
     ]
+    if live and not config_is_current(root):
+        lines += ["", f"slurm.conf is older than {TEMPLATES}: restart the cluster (down, then up)"]
     if "slurmctld" in live:
         result = Cluster(root).run("sinfo", timeout=30, check=False)
         lines += ["", (result.stdout + result.stderr).rstrip()]
