@@ -20,7 +20,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from tests.helpers import Toy  # noqa: E402
-from tests.slurm import slurm_cluster  # noqa: E402, F401 (the fixture of tests marked slurm)
+from tests.slurm import slurm_cluster, slurm_env  # noqa: E402, F401 (the fixtures of tests marked slurm)
 from tools.build_tiny_model import TinyBuild, build, is_complete  # noqa: E402
 
 TINY_SEED = 1

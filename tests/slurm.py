@@ -99,6 +99,14 @@ def wait_for_job(
         time.sleep(0.2)
 
 
+@pytest.fixture
+def slurm_env(slurm_cluster, monkeypatch):
+    """Slurm's commands (sbatch, sacct, scancel) and submitit see the local cluster."""
+    for key, value in slurm_cluster.env().items():
+        monkeypatch.setenv(key, value)
+    return slurm_cluster
+
+
 def role_env(pid: int) -> dict[str, str]:
     pairs = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
     return dict(p.split("=", 1) for p in pairs if "=" in p)

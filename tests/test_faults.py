@@ -63,14 +63,6 @@ class Fault:
 
 
 @pytest.fixture
-def slurm_env(slurm_cluster, monkeypatch):
-    """Slurm's commands (sbatch, sacct, scancel) and submitit see the local cluster."""
-    for key, value in slurm_cluster.env().items():
-        monkeypatch.setenv(key, value)
-    return slurm_cluster
-
-
-@pytest.fixture
 def say(capsys) -> Callable[[str], None]:
     """Print a line past pytest's capture: the seed and the result of each fault show in every run."""
 

@@ -26,14 +26,6 @@ RECOVER = ("recover_mode=auto", "recover_retries=1", "recover_after=1")
 
 
 @pytest.fixture
-def slurm_env(slurm_cluster, monkeypatch):
-    """Slurm's commands (sbatch, sacct, scancel) and submitit see the local cluster."""
-    for key, value in slurm_cluster.env().items():
-        monkeypatch.setenv(key, value)
-    return slurm_cluster
-
-
-@pytest.fixture
 def easy_data(tiny_build) -> Path:
     return tiny_build.root / "data" / "easy"
 

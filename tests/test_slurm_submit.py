@@ -21,14 +21,6 @@ pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def slurm_env(slurm_cluster, monkeypatch):
-    """Slurm's commands (sbatch, sacct, scancel) and submitit see the local cluster."""
-    for key, value in slurm_cluster.env().items():
-        monkeypatch.setenv(key, value)
-    return slurm_cluster
-
-
 def toy_overrides(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, steps: int) -> list[str]:
     return [
         f"cluster.fileroot={tmp_path}",
