@@ -85,15 +85,16 @@ def test_a_killed_controller_resumes_and_ends_bit_for_bit_as_an_uninterrupted_ru
     )
 
 
-def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_there(toy):
-    # No periodic checkpoints: the only one is the notice's.
+@pytest.mark.parametrize("notice", [signal.SIGUSR2, signal.SIGTERM])
+def test_a_notice_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_there(toy, notice):
+    # No periodic checkpoints: the only one is the notice's (USR2: Slurm's; SIGTERM: a stop of the controller).
     cfg = toy.config(
-        "usr2", 5, "exp_ctrl.ckpt_freq_secs=null", "exp_ctrl.ckpt_freq_steps=null", "recover_after=0",
+        f"notice-{notice.name.lower()}", 5, "exp_ctrl.ckpt_freq_secs=null", "exp_ctrl.ckpt_freq_steps=null", "recover_after=0",
         "dataset.valid_path=null",
     )  # fmt: skip
-    notice = kill_at_step(run_dir_of(cfg), "controller", 2, signal.SIGUSR2)
+    sender = kill_at_step(run_dir_of(cfg), "controller", 2, notice)
     assert run_local(cfg) == 0
-    notice.join()
+    sender.join()
     run = run_dir_of(cfg)
     first, second = ((run.attempt_logs(a) / "controller.log").read_text() for a in (0, 1))
     assert "Dumped recover info to file." in first and "Preempted" in first
