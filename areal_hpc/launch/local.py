@@ -109,8 +109,7 @@ def _signal(role: Role, sig: int) -> None:
 
 
 def log_tail(log: Path, n: int = 15) -> str:
-    path = log
-    lines = path.read_text(errors="replace").splitlines()[-n:] if path.is_file() else []
+    lines = log.read_text(errors="replace").splitlines()[-n:] if log.is_file() else []
     return "\n".join("    " + line for line in lines)
 
 
