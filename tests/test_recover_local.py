@@ -85,14 +85,13 @@ def test_a_killed_controller_resumes_and_ends_bit_for_bit_as_an_uninterrupted_ru
     )
 
 
-@pytest.mark.parametrize("notice", [signal.SIGUSR2, signal.SIGTERM])
-def test_a_notice_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_there(toy, notice):
-    # No periodic checkpoints: the only one is the notice's (USR2: Slurm's; SIGTERM: a stop of the controller).
+def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_there(toy):
+    # No periodic checkpoints: the only one is the notice's.
     cfg = toy.config(
-        f"notice-{notice.name.lower()}", 5, "exp_ctrl.ckpt_freq_secs=null", "exp_ctrl.ckpt_freq_steps=null", "recover_after=0",
+        "usr2", 5, "exp_ctrl.ckpt_freq_secs=null", "exp_ctrl.ckpt_freq_steps=null", "recover_after=0",
         "dataset.valid_path=null",
     )  # fmt: skip
-    sender = kill_at_step(run_dir_of(cfg), "controller", 2, notice)
+    sender = kill_at_step(run_dir_of(cfg), "controller", 2, signal.SIGUSR2)
     assert run_local(cfg) == 0
     sender.join()
     run = run_dir_of(cfg)

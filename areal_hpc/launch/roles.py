@@ -104,7 +104,7 @@ def run_controller(run: RunDir) -> None:
     with MathVerifier(n_workers=1) as verifier:
         try:
             master = Master(cfg, run, graph, (train, heldout), trainers, clients, verifier, tokenizer)
-            master.notice.install()  # USR2 / SIGTERM: checkpoint at the end of the step, then stop
+            master.notice.install()  # USR2: checkpoint at the end of the step, then stop
             master.run(resume_from, attempt)
             # Complete before the trainers stop: under Slurm a step that ends before the run is marked
             # finished ends the job as failed.

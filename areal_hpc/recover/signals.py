@@ -1,16 +1,15 @@
 """Notice of preemption or of the time limit: finish the step, write a recover checkpoint, stop.
 
 Slurm sends USR2 `signal_grace_secs` before the time limit and when a job is preempted (the job script
-forwards it to every step); SIGTERM comes from `scancel`, a preemption without --signal, or a local stop.
-The first one is noted and the controller acts on it at the end of the running step; a second SIGTERM
-exits at once.
+forwards it to every step); the controller acts on it at the end of the running step. SIGTERM (scancel, a
+local stop) is no notice: Slurm sends it to every task at once, so the trainers whose state a checkpoint
+needs are already gone; every role exits on it, and the next attempt resumes from the last periodic one.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import sys
 
 logger = logging.getLogger("recover")
 # The controller's exit code after it stopped on a notice with a recover checkpoint written (EX_TEMPFAIL):
@@ -26,16 +25,12 @@ class PreemptNotice:
 
     def install(self) -> PreemptNotice:
         signal.signal(signal.SIGUSR2, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
         return self
 
     def _on_signal(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.reason is not None and signum == signal.SIGTERM:
-            sys.exit(143)
         if self.reason is None:
-            self.reason = f"{name} (preemption, time limit or stop)"
-            logger.warning("%s: writing a recover checkpoint at the end of this step, then stopping", name)
+            self.reason = f"{signal.Signals(signum).name} (preemption or time limit)"
+            logger.warning("USR2: writing a recover checkpoint at the end of this step, then stopping")
 
 
 class Preempted(RuntimeError):
