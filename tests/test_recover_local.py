@@ -58,6 +58,17 @@ def assert_exactly_once(run, steps: int, batch: int, epochs: int = 1) -> None:
     assert [r["step"] for r in read_stats(run.stats) if "timeperf/e2e" in r] == list(range(1, steps + 1))
 
 
+def straight_and_killed(toy, prefix: str, *common: str):
+    """The run directories of the same run twice: uninterrupted, and with its controller killed after step 3."""
+    straight = toy.config(f"{prefix}straight", STEPS, *common)
+    assert run_local(straight) == 0
+    killed = toy.config(f"{prefix}killed", STEPS, *common)
+    killer = kill_at_step(run_dir_of(killed), "controller", 3)
+    assert run_local(killed) == 0
+    killer.join()
+    return run_dir_of(straight), run_dir_of(killed)
+
+
 def test_a_killed_controller_resumes_and_ends_bit_for_bit_as_an_uninterrupted_run(toy, tmp_path):
     # 10 prompts, 4 a step: 2 steps an epoch, 3 epochs; the checkpoint used is step 2's, at an epoch boundary.
     ten = tmp_path / "ten.jsonl"
@@ -66,20 +77,12 @@ def test_a_killed_controller_resumes_and_ends_bit_for_bit_as_an_uninterrupted_ru
         f"dataset.path={ten}", "exp_ctrl.total_train_epochs=3", "exp_ctrl.benchmark_steps=null",
         "exp_ctrl.ckpt_freq_steps=2", "recover_after=0", "dataset.valid_path=null",
     ]  # fmt: skip
-    straight = toy.config("straight", STEPS, *common)
-    assert run_local(straight) == 0
-
-    killed = toy.config("killed", STEPS, *common)
-    killer = kill_at_step(run_dir_of(killed), "controller", 3)
-    assert run_local(killed) == 0
-    killer.join()
-
-    run = run_dir_of(killed)
+    straight, run = straight_and_killed(toy, "", *common)
     assert get_status(run.root).state == "COMPLETE"
     log = (run.attempt_logs(1) / "controller.log").read_text()
     assert "resumes from recover checkpoint" in log and "step00000002" in log
     assert_exactly_once(run, STEPS, 4, epochs=3)
-    expected, got = final_weights(run_dir_of(straight)), final_weights(run)
+    expected, got = final_weights(straight), final_weights(run)
     assert all(expected[k].equal(got[k]) for k in expected), (
         "resumed weights differ from the uninterrupted run"
     )
@@ -122,17 +125,10 @@ def test_an_asynchronous_run_resumes_with_the_same_ledger_and_close_weights(toy)
         "cluster.n_nodes=1", "cluster.n_gpus_per_node=2", "exp_ctrl.ckpt_freq_steps=2", "recover_after=0",
         "dataset.valid_path=null",
     ]  # fmt: skip
-    straight = toy.config("async-straight", STEPS, *common)
-    assert run_local(straight) == 0
-    killed = toy.config("async-killed", STEPS, *common)
-    killer = kill_at_step(run_dir_of(killed), "controller", 3)
-    assert run_local(killed) == 0
-    killer.join()
-
-    run = run_dir_of(killed)
+    straight, run = straight_and_killed(toy, "async-", *common)
     assert run.attempt_logs(1).is_dir()
     assert_exactly_once(run, STEPS, 4)
-    by_step = [{r.step: set(r.ids) for r in Ledger(d.root).records()} for d in (run_dir_of(straight), run)]
+    by_step = [{r.step: set(r.ids) for r in Ledger(d.root).records()} for d in (straight, run)]
     assert by_step[0] == by_step[1]
-    expected, got = final_weights(run_dir_of(straight)), final_weights(run)
+    expected, got = final_weights(straight), final_weights(run)
     assert all(torch.allclose(expected[k], got[k], atol=1e-5) for k in expected)

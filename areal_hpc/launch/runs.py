@@ -79,10 +79,11 @@ def status_lines(run: RunDir) -> list[str]:
 
 def recover_line(run: RunDir) -> str:
     """The newest recover checkpoint (by name: checking its files is the resuming controller's job)."""
-    steps = Checkpoints(run.root).steps()
+    ckpts = Checkpoints(run.root)
+    steps = ckpts.steps()
     if not steps:
         return "recover checkpoint: none yet"
-    path = Checkpoints(run.root).path(steps[-1])
+    path = ckpts.path(steps[-1])
     age = time.time() - path.stat().st_mtime
     return f"recover checkpoint: global step {steps[-1]}, written {age / 60:.0f} min ago ({path})"
 
