@@ -130,6 +130,9 @@ def test_two_jobs_meet_through_the_run_directory_when_hetjobs_are_off(
     states = slurm.wait_final(job_ids, timeout=180)
     assert set(states.values()) == {"COMPLETED"}, (states, runs.log_files(run))
     assert get_status(run.root).state == "COMPLETE"
+    # A job sacct does not know (yet) is not over: waiting on it with an ended one times out.
+    with pytest.raises(TimeoutError, match="still not ended"):
+        slurm.wait_final([job_ids[0], "999999"], timeout=2)
 
 
 def test_a_refused_submission_leaves_no_run_directory(slurm_env, tmp_path, tiny_model_dir, easy_data):

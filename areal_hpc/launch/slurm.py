@@ -96,8 +96,10 @@ def wait_final(job_ids: list[str], timeout: float) -> dict[str, str]:
     """Poll sacct until every component of `job_ids` is in a final state; raises TimeoutError otherwise."""
     deadline = time.monotonic() + timeout
     while True:
-        states = {k: v for j in job_ids for k, v in component_states(j).items()}
-        if states and all(s in FINAL_STATES for s in states.values()):
+        per_job = [component_states(j) for j in job_ids]
+        states = {k: v for job in per_job for k, v in job.items()}
+        # A job sacct does not list yet has not ended: every job must be known before we return.
+        if all(per_job) and all(s in FINAL_STATES for s in states.values()):
             return states
         if time.monotonic() > deadline:
             raise TimeoutError(f"jobs {', '.join(job_ids)} still not ended after {timeout:.0f} s: {states}")
