@@ -107,6 +107,36 @@ def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_th
     )
 
 
+def test_sigterm_to_every_role_checkpoints_the_last_finished_step_and_the_next_attempt_resumes_there(toy):
+    # As Slurm stops a job (scancel, requeue, preemption): every task gets SIGTERM at once. No periodic
+    # checkpoints, so the resume point can only be the one written on SIGTERM.
+    cfg = toy.config(
+        "term", 5, "exp_ctrl.ckpt_freq_secs=null", "exp_ctrl.ckpt_freq_steps=null", "recover_after=0",
+        "dataset.valid_path=null",
+    )  # fmt: skip
+    run = run_dir_of(cfg)
+    stopped = []
+
+    def term_everyone() -> None:
+        while (fsio.read_json(run.progress) or {}).get("step", 0) < 2:
+            time.sleep(0.05)
+        for pid in role_pids(run.root).values():
+            os.kill(pid, signal.SIGTERM)
+        stopped.append(fsio.read_json(run.progress)["step"])
+
+    sender = threading.Thread(target=term_everyone, daemon=True)
+    sender.start()
+    assert run_local(cfg) == 0
+    sender.join()
+    first, second = ((run.attempt_logs(a) / "controller.log").read_text() for a in (0, 1))
+    assert "SIGTERM: writing a recover checkpoint" in first and "Preempted" in first, first
+    (step,) = map(int, re.findall(r"Dumped recover info to file. \(global step (\d+)", first))
+    assert step >= stopped[0]  # nothing finished before the signal is lost
+    assert f"resumes from recover checkpoint {run.root / 'recover' / f'step{step:08d}'}" in second, second
+    assert "SIGTERM: serving on" in (run.attempt_logs(0) / "trainer0.log").read_text()
+    assert_exactly_once(run, 5, 4)
+
+
 @pytest.mark.parametrize("victim", ["trainer0", "gen_server0"])
 def test_a_killed_trainer_or_server_is_restarted_and_the_run_completes(toy, victim):
     cfg = toy.config(f"kill-{victim.replace('_', '-')}", 4, "exp_ctrl.ckpt_freq_steps=1", "recover_after=0")

@@ -19,7 +19,7 @@ from areal_hpc.launch import runs, slurm, submit
 from areal_hpc.launch.rundir import RunDir, create_run_dir
 from areal_hpc.recover.checkpoint import Checkpoints
 from tests.slurm import job_log, role_env, start_requeued, wait_role
-from tests.test_slurm_submit import ROOT, submit_toy, toy_overrides
+from tests.test_slurm_submit import ROOT, submit_toy, toy_overrides, wait_for_step
 
 pytestmark = pytest.mark.slurm
 RECOVER = ("recover_mode=auto", "recover_retries=1", "recover_after=1")
@@ -58,6 +58,26 @@ def test_a_killed_trainer_requeues_the_hetjob_and_the_next_attempt_resumes(
     start = fsio.read_json(run.start_point)
     assert start["attempt"] == 1 and start["global_step"] >= 1, start
     assert get_status(run.root).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 3
+
+
+def test_scontrol_requeue_checkpoints_on_sigterm_and_the_requeued_run_resumes_there(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    # Slurm's requeue sends SIGTERM to every task and SIGKILL KillWait (5 s) later. No periodic checkpoints:
+    # the controller writes the only one on SIGTERM, while the trainer serves on for it.
+    run, (job_id,) = submit_toy(
+        tmp_path, tiny_model_dir, easy_data, "term", 8, *RECOVER, "exp_ctrl.ckpt_freq_steps=null"
+    )
+    wait_for_step(run, 2)
+    slurm_env.run("scontrol", "requeue", job_id)
+    states = slurm.wait_final([job_id], timeout=180)
+    assert set(states.values()) == {"COMPLETED"}, (states, runs.log_files(run))
+    log = (run.attempt_logs(0) / "controller.log").read_text()
+    assert "SIGTERM: writing a recover checkpoint" in log and "Dumped recover info to file." in log, log
+    start = fsio.read_json(run.start_point)
+    assert start["attempt"] == 1 and start["global_step"] >= 2, start
+    assert not (run.logs / "failed_attempts").exists()  # Slurm's requeue is no failure
+    assert get_status(run.root).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 8
 
 
 def test_a_job_whose_retries_are_used_up_fails_without_another_attempt(

@@ -25,7 +25,7 @@ from areal_hpc.control.poll import poll_until
 from areal_hpc.control.status import ABORTED, RUNNING, abort, complete, finished_path, get_status, set_status
 from areal_hpc.launch.rundir import RunDir
 from areal_hpc.recover.attempt import current_attempt
-from areal_hpc.recover.signals import EXIT_PREEMPTED, Preempted
+from areal_hpc.recover.signals import EXIT_PREEMPTED, Preempted, outlive_term
 
 START_TIMEOUT_SECS = 600.0
 CONTROLLER_DEAD_SECS = 60.0
@@ -104,7 +104,8 @@ def run_controller(run: RunDir) -> None:
     with MathVerifier(n_workers=1) as verifier:
         try:
             master = Master(cfg, run, graph, (train, heldout), trainers, clients, verifier, tokenizer)
-            master.notice.install()  # USR2: checkpoint at the end of the step, then stop
+            # USR2: checkpoint at the end of the step; SIGTERM: checkpoint the last finished step now.
+            master.notice.install(on_term=cfg.recover_mode != "disabled")
             master.run(resume_from, attempt)
             # Complete before the trainers stop: under Slurm a step that ends before the run is marked
             # finished ends the job as failed.
@@ -219,6 +220,8 @@ def run_trainer(run: RunDir, rank: int, n_tasks: int) -> None:
             f"the job started {n_tasks} trainer tasks, but allocation_mode {cfg.allocation_mode!r} "
             f"trains on {allocation.n_train_gpus} GPUs"
         )
+    if cfg.recover_mode != "disabled":
+        outlive_term()  # the controller's recover checkpoint on SIGTERM needs this rank's state
     serve_trainer(run, rank)
 
 
@@ -283,7 +286,8 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
     index, n_tasks = task_of_job()
     name = role if role in ("controller", "rollout") else f"{role}{index}"  # one controller, one rollout
     setup_logging(run.load_config().logging.level, name)
-    # SIGTERM from the launcher or Slurm: leave through the normal exit path so that finally-blocks run.
+    # SIGTERM from the launcher or Slurm: leave through the normal exit path so that finally-blocks run
+    # (the controller and the trainers replace this once a recover checkpoint can be written).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # USR2: Slurm's notice of preemption or of the time limit. Recover checkpoints are written on it once
     # they exist; until then it must not kill the role (USR2's default action).

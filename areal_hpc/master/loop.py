@@ -33,7 +33,7 @@ from areal_hpc.monitor.progress import write_progress
 from areal_hpc.monitor.stats import StatsLog, step_line
 from areal_hpc.recover.checkpoint import Checkpoints
 from areal_hpc.recover.rewind import rewind, save_into
-from areal_hpc.recover.signals import Preempted, PreemptNotice
+from areal_hpc.recover.signals import Interrupted, Preempted, PreemptNotice
 from areal_hpc.recover.state import check_compatible, identity
 from areal_hpc.weights.publisher import make_publisher
 
@@ -135,12 +135,18 @@ class Master:
         self.ckpt_ctl = FrequencyControl(ctrl.ckpt_freq_epochs, ctrl.ckpt_freq_steps, ctrl.ckpt_freq_secs)
         self.ckpts = Checkpoints(run.root, cfg.recover_keep)
         self.notice = PreemptNotice()  # the role installs it as the signal handler
+        self.updating = False  # a trainer update of the running step has begun
+        self.sampler_mark = self.sampler.state_dict()  # as the last finished step left it
         self.stats = StatsLog(run.stats)
         self.publisher = None  # made at the first publish
 
     def run_mfc(self, mfc: MFC, step: int, n_samples: int) -> dict[str, float]:
         """One call on every rank: its data-parallel part in, outputs amended into the buffer."""
         start, buffer = time.monotonic(), self.buffer
+        if mfc.kind == "train_step" and not self.updating:
+            if self.notice.urgent:
+                raise Interrupted(f"SIGTERM before {mfc.name} of step {step + 1}")
+            self.updating = True
         samples = buffer.ready(mfc.name, n_samples)
         if samples is None:
             raise RuntimeError(f"{mfc.name}: fewer than {n_samples} samples have its inputs {mfc.inputs}")
@@ -170,6 +176,9 @@ class Master:
         `weight_update_mode` says (`areal_hpc.weights`): broadcast from trainer rank 0, or a snapshot on
         disk; `timeperf/weight_sync` and the bytes sent."""
         self.counter.version += int(new_version)
+        if self.notice.urgent:  # the servers are stopping too; a resume republishes the trainers' weights
+            logger.warning("SIGTERM: weight version %d not sent to the servers", self.counter.version)
+            return {}
         if self.publisher is None:  # made once: the broadcast group is set up at the first publish
             self.publisher = make_publisher(self.cfg, self.rundir, self.trainers, self.clients)
         return self.publisher.publish(self.counter.version)
@@ -181,6 +190,7 @@ class Master:
         c.global_step += 1
         stats["timeperf/e2e"] = secs
         self.stats.write(c.global_step, stats)
+        self.updating, self.sampler_mark = False, self.sampler.state_dict()  # the step is recorded
         logger.info(step_line(c, secs))
         reward = stats.get("ppo_actor/task_reward/avg", stats.get("sft/loss"))
         write_progress(self.rundir.progress, c.global_step, c.total_steps, reward, c.eta_secs())
@@ -188,7 +198,7 @@ class Master:
         last = c.global_step == c.total_steps
         if self.save_ctl.check(epochs=int(epoch_done), steps=1) or last:
             self.save()
-        if self.eval_ctl.check(epochs=int(epoch_done), steps=1):
+        if self.eval_ctl.check(epochs=int(epoch_done), steps=1) and not self.notice.urgent:
             self.evaluate()
         due = self.ckpt_ctl.check(epochs=int(epoch_done), steps=1)
         if self.cfg.recover_mode != "disabled" and not last and (due or self.notice.reason):
@@ -216,7 +226,7 @@ class Master:
             "identity": identity(self.cfg),
             "global_step": c.global_step,
             "version": c.version,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler_mark,
             "save_ctl": self.save_ctl.state_dict(),
             "eval_ctl": self.eval_ctl.state_dict(),
             "ckpt_ctl": self.ckpt_ctl.state_dict(),
@@ -311,6 +321,8 @@ class Master:
     def wait_rollouts(self, n: int) -> list:
         """The n oldest groups of the store, once there; fails when the rollout role stopped beating."""
         while (paths := self.store.oldest(n)) is None:
+            if self.notice.urgent:
+                raise Interrupted("SIGTERM while waiting for rollouts")
             if dead_workers(self.rundir.root, ["rollout"], ROLLOUT_DEAD_SECS):
                 raise RuntimeError(f"the rollout role stopped (no heartbeat for {ROLLOUT_DEAD_SECS:.0f} s)")
             time.sleep(STORE_POLL_SECS)
@@ -349,6 +361,7 @@ class Master:
         else:
             rewind(self.rundir, 0, 0)
         c = self.counter
+        self.sampler_mark = self.sampler.state_dict()
         fsio.write_json(
             self.rundir.start_point,
             {"attempt": attempt, "global_step": c.global_step, "version": c.version},
@@ -370,10 +383,27 @@ class Master:
         )
         self.trainers.call_all("initialize", {"total_train_steps": self.counter.total_steps})
         self.start(resume_from, attempt)
-        if self.cfg.experiment_type == "ppo" and self.counter.global_step == 0:
-            self.evaluate()
-        while self.counter.global_step < self.counter.total_steps:
-            step_fn()
-        if self.cfg.experiment_type == "ppo":
-            self.evaluate()
+        try:
+            if self.cfg.experiment_type == "ppo" and self.counter.global_step == 0:
+                self.evaluate()
+            while self.counter.global_step < self.counter.total_steps:
+                step_fn()
+            if self.cfg.experiment_type == "ppo":
+                self.evaluate()
+        except Preempted:
+            raise
+        except Exception as exc:
+            # After SIGTERM the servers and the rollout role stop at once, so waiting on them fails; the
+            # trainers serve on, and unless an update was under way they hold the last finished step.
+            if not self.notice.urgent or self.updating:
+                raise
+            self.checkpoint_and_stop(exc)
         return self.eval_history
+
+    def checkpoint_and_stop(self, cause: Exception) -> None:
+        """A recover checkpoint of the last finished step, if there is none yet; then `Preempted`."""
+        step = self.counter.global_step
+        logger.warning("step %d given up: %s", step + 1, cause)
+        if self.cfg.recover_mode != "disabled" and step > 0 and step not in self.ckpts.steps():
+            self.write_recover()
+        raise Preempted(f"{self.notice.reason}: stopped after global step {step}") from cause
