@@ -27,7 +27,7 @@ TWO_TRAINERS = ("allocation_mode=sglang.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cl
 
 
 def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
-    cfg = toy.config("t3", 3, *TWO_TRAINERS)
+    cfg = toy.config("t3", 3, *TWO_TRAINERS, "max_running_requests=6")
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
     assert get_status(run.root).state == "COMPLETE"
@@ -42,6 +42,9 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
     assert not list((run.root / "data").glob("step*"))  # each step's data dropped after the step
     out = capsys.readouterr().out
     assert "step 3/3" in out and "completed" in out
+    server_log = (run.attempt_logs(0) / "gen_server0.log").read_text()
+    counters = json.loads(server_log.split("engine counters: ", 1)[1].splitlines()[0])
+    assert counters["max_batch_rows"] == 6  # max_running_requests: of 4 prompts x 2 answers, 2 wait
 
 
 def start_run(toy, trial: str, *extra: str) -> tuple[subprocess.Popen, Path]:

@@ -12,6 +12,7 @@ on and off. Prints wall time, time inside the training loop (the sum of step tim
 every variant) and the loop's speed-up against the baseline measured in the same run.
 
     python tools/bench_async.py [--steps 30] [--seeds 3] [--parallel] [--tail-steps 12] [--only toy|long-tail]
+                                [--set KEY=VALUE ...]
 
 Exits non-zero when eta = 4 with interruption is less than 2x faster than eta = 0 on the long-tail workload
 (loop time), or when its final toy reward is not within noise of eta = 0's.
@@ -20,6 +21,7 @@ Exits non-zero when eta = 4 with interruption is less than 2x faster than eta = 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -70,6 +72,25 @@ def loop_secs(run_root: Path) -> float:
     )
 
 
+def breakdown(run_root: Path) -> str:
+    """Where a step's time went (means over steps) and what the generation server did (its counters)."""
+    rows = [r for r in read_stats(run_root / "logs" / "stats.jsonl") if "timeperf/e2e" in r]
+    keys = ("e2e", "wait_rollouts", "actor_inf", "actor_train", "weight_sync")
+    parts = [f"{k} {statistics.mean(r.get(f'timeperf/{k}', 0.0) for r in rows):.3f}" for k in keys]
+    line = "per step: " + ", ".join(parts)
+    log = run_root / "logs" / "attempt0" / "gen_server0.log"
+    counters = [x for x in log.read_text().splitlines() if "engine counters: " in x] if log.is_file() else []
+    if counters:
+        c = json.loads(counters[-1].split("engine counters: ", 1)[1])
+        decode_rows = c.get("decode_rows", 0) / max(c["decode_steps"], 1)
+        line += (
+            f"\n      server: {c['decode_steps']} decode steps ({c.get('decode_secs', 0):.1f} s, "
+            f"~{decode_rows:.0f} rows each), {c['prefill_passes']} prefills ({c.get('prefill_secs', 0):.1f} s), "
+            f"{c['generated_tokens']} tokens"
+        )
+    return line
+
+
 def final_reward(run_root: Path, last: int = 5) -> float:
     rows = [r for r in read_stats(run_root / "logs" / "stats.jsonl") if "ppo_actor/task_reward/avg" in r]
     return statistics.mean(r["ppo_actor/task_reward/avg"] for r in rows[-last:])
@@ -99,6 +120,9 @@ def workload(name: str, root: Path, steps: int) -> list[str]:
         "dataset.train_bs_n_seqs=16", "group_size=4", "ppo.ppo_n_minibatches=1",
         # The default (one batch in flight) caps what eta = 4 may run ahead; eta = 0 is bounded by staleness.
         "max_concurrent_rollouts=64",
+        # Room on the server for every answer in flight (SGLang sizes this from GPU memory). With 64, the
+        # answers resubmitted after each interruption queue and are prefilled a few at a time.
+        "max_running_requests=256",
     ]  # fmt: skip
 
 
@@ -120,8 +144,10 @@ class Result:
         return statistics.stdev(self.rewards) if len(self.rewards) > 1 else 0.0
 
 
-def bench(name: str, root: Path, steps: int, seeds: int, parallel: bool) -> list[Result]:
-    base = workload(name, root, steps)
+def bench(
+    name: str, root: Path, steps: int, seeds: int, parallel: bool, overrides: list[str]
+) -> list[Result]:
+    base = [*workload(name, root, steps), *overrides]
     results = []
     for label, trial, extra in VARIANTS:
 
@@ -138,6 +164,7 @@ def bench(name: str, root: Path, steps: int, seeds: int, parallel: bool) -> list
             print(
                 f"  {name:9} {label:24} seed {seed}: {wall:7.1f} s (loop {loop:.1f} s)  reward {reward:.3f}"
             )
+        print(f"    {breakdown(runs[0][1])}")
         results.append(Result(label, statistics.mean(walls), statistics.mean(loops), list(rewards)))
     return results
 
@@ -157,12 +184,15 @@ def main() -> int:
     parser.add_argument("--parallel", action="store_true", help="run a variant's seeds at once (many cores)")
     parser.add_argument("--tail-steps", type=int, default=12, help="steps of the long-tail workload")
     parser.add_argument("--only", choices=("toy", "long-tail"))
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
+    )
     ns = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-async-") as root:
         for name, steps, seeds in (("toy", ns.steps, ns.seeds), ("long-tail", ns.tail_steps, 1)):
             if ns.only in (None, name):
-                results[name] = bench(name, Path(root), steps, seeds, ns.parallel)
+                results[name] = bench(name, Path(root), steps, seeds, ns.parallel, ns.set)
     print(
         f"\n{'workload':10} {'variant':24} {'wall':>8} {'loop':>8} {'loop speed-up':>14} {'final reward':>16}"
     )

@@ -261,6 +261,11 @@ class ExperimentConfig:
     max_concurrent_rollouts: int | None = opt(
         None, "Rollouts in flight at once; null: dataset.train_bs_n_seqs.", ge=1
     )
+    max_running_requests: int = opt(
+        64,
+        "Samples a generation server decodes together (SGLang's option); the rest wait in its queue.",
+        ge=1,
+    )
     n_rollout_workers: int | None = opt(
         None, "Rollout worker processes; null: the training world size.", ge=1
     )

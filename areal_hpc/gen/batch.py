@@ -8,6 +8,7 @@ batching); finished rows are dropped at once. Only the engine thread touches a B
 from __future__ import annotations
 
 import inspect
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class Batch:
         empty, rows = [r for r in rows if r.done], [r for r in rows if not r.done]
         if not rows:
             return empty
+        start = time.monotonic()
         unique: dict[tuple[int, ...], int] = {}
         index = [unique.setdefault(tuple(r.prompt), len(unique)) for r in rows]
         ids, mask = self._left_pad([list(p) for p in unique])
@@ -100,7 +102,7 @@ class Batch:
             positions, last = torch.cat([self.positions, positions]), torch.cat([self.last, last])
         self.rows, self.cache, self.mask = self.rows + rows, cache, mask
         self.positions, self.last = positions, last
-        self._count_forward(rows, prefill=True)
+        self._count_forward(rows, prefill=True, secs=time.monotonic() - start)
         return empty + self._prune()
 
     @torch.inference_mode()
@@ -108,11 +110,12 @@ class Batch:
         """Decode one token for every row; returns the rows that finished."""
         if not self.rows:
             return []
+        start = time.monotonic()
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
         out = self._forward(self.last[:, None], self.mask, self.positions[:, None], self.cache)
         self.positions = self.positions + 1
         self.last = self._sample(self.rows, out.logits[:, -1])
-        self._count_forward(self.rows, prefill=False)
+        self._count_forward(self.rows, prefill=False, secs=time.monotonic() - start)
         return self._prune()
 
     def abort(self, match: Callable[[Row], bool], message: str) -> list[Row]:
@@ -183,11 +186,15 @@ class Batch:
         self.rows = [self.rows[i] for i in keep]
         return finished
 
-    def _count_forward(self, rows: list[Row], prefill: bool) -> None:
-        """Counters shown by /server_info: they show whether concurrent requests shared forward passes."""
+    def _count_forward(self, rows: list[Row], prefill: bool, secs: float) -> None:
+        """Counters shown by /server_info: they show whether concurrent requests shared forward passes, and
+        where the engine's time went."""
         self.stats["forward_passes"] += 1
         self.stats["prefill_passes" if prefill else "decode_steps"] += 1
+        self.stats["prefill_secs" if prefill else "decode_secs"] += secs
         self.stats["generated_tokens"] += len(rows)
+        if not prefill:
+            self.stats["decode_rows"] += len(rows)
         self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(rows))
         requests = len({id(r.owner) for r in rows})
         self.stats["max_requests_per_forward"] = max(self.stats["max_requests_per_forward"], requests)

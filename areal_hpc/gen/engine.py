@@ -9,6 +9,7 @@ sample does not depend on which requests it was batched with.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -328,6 +329,7 @@ class Engine:
             self.error = exc
         self._run_controls()
         self._abort_now(lambda req: True, f"engine stopped: {self.error or 'server shutting down'}")
+        log.info("engine counters: %s", json.dumps(dict(self._batch.stats)))
         with self._cond:
             controls, self._controls = list(self._controls), deque()
         for _, future in controls:

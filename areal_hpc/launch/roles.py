@@ -238,6 +238,7 @@ def run_gen_server(run: RunDir, index: int) -> None:
     if torch.cuda.is_available():  # the step's GPUs: one per server on a node (TP > 1 needs real SGLang)
         args += ["--device", f"cuda:{index % torch.cuda.device_count()}"]
     args += ["--address-file", str(run.gen_address(index)), "--seed", str(cfg.seed + index)]
+    args += ["--max-batch-size", str(cfg.max_running_requests)]
     run.gen_address(index).parent.mkdir(exist_ok=True)
     reason: list[str] = []
     threading.Thread(target=watch_run, args=(run, reason), daemon=True).start()

@@ -292,10 +292,11 @@ class Master:
         """Train on the oldest train_bs groups of the rollout store, then publish the new weights."""
         start, step = time.monotonic(), self.counter.global_step
         paths = self.wait_rollouts(self.cfg.dataset.train_bs_n_seqs)
+        waited = time.monotonic() - start
         attrs = [read_attrs(path) for path in paths]
         for path in paths:  # a prompt may come back in a later epoch: the file names the group
             self.add_samples(str(path), [path.stem], self.cfg.group_size, birth=start)
-        stats = rollout_stats(paths, attrs)
+        stats = rollout_stats(paths, attrs) | {"timeperf/wait_rollouts": waited}
         for mfc in self.graph:
             stats |= self.run_mfc(mfc, step, len(paths) * self.cfg.group_size)
         stats |= self.publish()
