@@ -2,8 +2,10 @@
 
 Two workloads, each run with `areal-hpc run` (local processes) in this process:
 - toy: GRPO on the toy arithmetic task from the demo's supervised warm-up, its whole LR schedule inside the
-  benchmarked steps, over several seeds; the final task reward (mean of the last 5 steps) of eta = 4 must be
-  within noise of eta = 0: a difference of the seed means under twice its standard error;
+  benchmarked steps, over several seeds; the held-out greedy accuracy of eta = 4's final weights must be
+  within noise of eta = 0's: a difference of the seed means under twice its standard error. (The training
+  reward of the last steps is printed too, but it is the reward of answers sampled by policies up to eta
+  versions old, so it lags behind the policy by construction whenever the policy improves.)
 - long-tail: the untrained tiny model with a set of stop tokens, so answer lengths are geometric with a long
   tail (mean ~1024/len(stop_token_ids) tokens, the longest of a batch several times the mean): the regime of
   long reasoning traces where a synchronous step waits for its longest answer.
@@ -15,7 +17,7 @@ every variant) and the loop's speed-up against the baseline measured in the same
                                 [--set KEY=VALUE ...]
 
 Exits non-zero when eta = 4 with interruption is less than 2x faster than eta = 0 on the long-tail workload
-(loop time), or when its final toy reward is not within noise of eta = 0's.
+(loop time), or when its final toy accuracy is not within noise of eta = 0's.
 """
 
 from __future__ import annotations
@@ -92,8 +94,15 @@ def breakdown(run_root: Path) -> str:
 
 
 def final_reward(run_root: Path, last: int = 5) -> float:
+    """Training reward of the last steps: of answers sampled by policies up to eta versions old."""
     rows = [r for r in read_stats(run_root / "logs" / "stats.jsonl") if "ppo_actor/task_reward/avg" in r]
     return statistics.mean(r["ppo_actor/task_reward/avg"] for r in rows[-last:])
+
+
+def final_accuracy(run_root: Path) -> float | None:
+    """Held-out greedy accuracy of the final weights (the evaluation after the last step)."""
+    rows = [r for r in read_stats(run_root / "logs" / "stats.jsonl") if "eval/greedy_acc" in r]
+    return rows[-1]["eval/greedy_acc"] if rows else None
 
 
 def warm_up(root: Path) -> Path:
@@ -128,20 +137,21 @@ def workload(name: str, root: Path, steps: int) -> list[str]:
 
 @dataclass
 class Result:
-    """One variant over its seeds: wall and loop seconds (means) and the final reward of each seed."""
+    """One variant over its seeds: wall and loop seconds (means); of each seed, the training reward of its
+    last steps and the held-out greedy accuracy of its final weights (none without held-out prompts)."""
 
     label: str
     wall: float
     loop: float
     rewards: list[float]
+    accs: list[float]
 
-    @property
-    def reward(self) -> float:
-        return statistics.mean(self.rewards)
 
-    @property
-    def sd(self) -> float:
-        return statistics.stdev(self.rewards) if len(self.rewards) > 1 else 0.0
+def mean_sd(values: list[float]) -> str:
+    if not values:
+        return "-"
+    sd = f" +- {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+    return f"{statistics.mean(values):.3f}{sd}"
 
 
 def bench(
@@ -159,20 +169,22 @@ def bench(
 
         with ThreadPoolExecutor(seeds if parallel else 1) as pool:
             runs = list(pool.map(one, range(1, seeds + 1)))
-        walls, loops, rewards = zip(*((secs, loop_secs(r), final_reward(r)) for secs, r in runs), strict=True)
-        for seed, (wall, loop, reward) in enumerate(zip(walls, loops, rewards, strict=True), start=1):
-            print(
-                f"  {name:9} {label:24} seed {seed}: {wall:7.1f} s (loop {loop:.1f} s)  reward {reward:.3f}"
-            )
+        loops = [loop_secs(r) for _, r in runs]
+        rewards = [final_reward(r) for _, r in runs]
+        accs = [a for _, r in runs if (a := final_accuracy(r)) is not None]
+        for seed, ((wall, r), loop) in enumerate(zip(runs, loops, strict=True), start=1):
+            print(f"  {name:9} {label:24} seed {seed}: {wall:7.1f} s (loop {loop:.1f} s)  "
+                  f"reward {final_reward(r):.3f}  held-out {final_accuracy(r)}")  # fmt: skip
         print(f"    {breakdown(runs[0][1])}")
-        results.append(Result(label, statistics.mean(walls), statistics.mean(loops), list(rewards)))
+        walls = [wall for wall, _ in runs]
+        results.append(Result(label, statistics.mean(walls), statistics.mean(loops), rewards, accs))
     return results
 
 
-def within_noise(a: Result, b: Result) -> bool:
+def within_noise(a: list[float], b: list[float]) -> bool:
     """The seed means differ by less than twice the standard error of their difference."""
-    n = len(a.rewards)
-    return abs(a.reward - b.reward) <= 2 * ((a.sd**2 + b.sd**2) / n) ** 0.5
+    se = ((statistics.variance(a) + statistics.variance(b)) / len(a)) ** 0.5
+    return abs(statistics.mean(a) - statistics.mean(b)) <= 2 * se
 
 
 def main() -> int:
@@ -193,22 +205,20 @@ def main() -> int:
         for name, steps, seeds in (("toy", ns.steps, ns.seeds), ("long-tail", ns.tail_steps, 1)):
             if ns.only in (None, name):
                 results[name] = bench(name, Path(root), steps, seeds, ns.parallel, ns.set)
-    print(
-        f"\n{'workload':10} {'variant':24} {'wall':>8} {'loop':>8} {'loop speed-up':>14} {'final reward':>16}"
-    )
+    print(f"\n{'workload':10} {'variant':24} {'wall':>8} {'loop':>8} {'loop speed-up':>14} "
+          f"{'train reward (last 5)':>22} {'held-out accuracy':>18}")  # fmt: skip
     for name, rows in results.items():
         for r in rows:
-            reward = f"{r.reward:.3f} +- {r.sd:.3f}" if len(r.rewards) > 1 else f"{r.reward:.3f}"
-            print(
-                f"{name:10} {r.label:24} {r.wall:7.1f}s {r.loop:7.1f}s {rows[0].loop / r.loop:13.2f}x {reward:>16}"
-            )
+            print(f"{name:10} {r.label:24} {r.wall:7.1f}s {r.loop:7.1f}s {rows[0].loop / r.loop:13.2f}x "
+                  f"{mean_sd(r.rewards):>22} {mean_sd(r.accs):>18}")  # fmt: skip
     ok = True
     if "toy" in results:
         base, eta4 = results["toy"][0], results["toy"][1]
-        noise = within_noise(base, eta4)
+        noise = within_noise(base.accs, eta4.accs)
         ok &= noise
-        print(f"toy final reward of eta=4 (interruptible) {eta4.reward:.3f} vs eta=0 {base.reward:.3f} over "
-              f"{len(base.rewards)} seeds: {'within' if noise else 'NOT within'} noise")  # fmt: skip
+        print(f"toy held-out accuracy of the final weights, eta=4 (interruptible) {mean_sd(eta4.accs)} vs "
+              f"eta=0 {mean_sd(base.accs)} over {len(base.accs)} seeds: "
+              f"{'within' if noise else 'NOT within'} noise")  # fmt: skip
     if "long-tail" in results:
         speedup = results["long-tail"][0].loop / results["long-tail"][1].loop
         ok &= speedup >= TARGET_SPEEDUP
