@@ -83,6 +83,17 @@ def test_killing_a_role_mid_run_stops_every_role_with_a_clear_error(toy, victim)
     assert get_status(run_root).state == "ABORTED"
 
 
+def test_roles_stop_when_the_launcher_is_killed_outright(toy):
+    proc, run_root = start_run(toy, "launcher-killed")
+    wait_for_step(run_root, proc, 1)
+    proc.kill()  # SIGKILL: the launcher cannot stop its roles itself
+    proc.communicate()
+    deadline = time.monotonic() + 15
+    while role_pids(run_root):
+        assert time.monotonic() < deadline, f"roles still running: {role_pids(run_root)}"
+        time.sleep(0.2)
+
+
 def test_ctrl_c_stops_every_role(toy):
     proc, run_root = start_run(toy, "ctrl-c")
     wait_for_step(run_root, proc, 1)

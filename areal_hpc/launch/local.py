@@ -21,6 +21,7 @@ from typing import TextIO
 from areal_hpc import alloc
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.control.status import ABORTED, COMPLETE, abort, get_status
+from areal_hpc.launch.roles import LAUNCHER_ENV
 from areal_hpc.launch.rundir import RunDir, create_run_dir
 from areal_hpc.monitor.progress import Progress
 from areal_hpc.recover.attempt import ATTEMPT_ENV, begin_attempt
@@ -79,7 +80,7 @@ def task_env(index: int, n_tasks: int, gpus: tuple[int, ...] = ()) -> dict[str, 
 
 def start(roles: list[Role], run: RunDir, attempt: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-    env[ATTEMPT_ENV] = str(attempt)
+    env[ATTEMPT_ENV], env[LAUNCHER_ENV] = str(attempt), str(os.getpid())
     for role in roles:
         log = open(run.attempt_logs(attempt) / f"{role.name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
         # A session of its own: the terminal's Ctrl-C reaches only this supervisor, which stops roles in order.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -30,6 +31,8 @@ from areal_hpc.recover.signals import EXIT_PREEMPTED, Preempted, outlive_term
 START_TIMEOUT_SECS = 600.0
 CONTROLLER_DEAD_SECS = 60.0
 ROLES = ("controller", "gen_server", "trainer", "rollout")
+LAUNCHER_ENV = "AREAL_LAUNCHER_PID"  # set by `areal-hpc run` for the roles it starts
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class JobEnvironmentError(RuntimeError):
@@ -281,6 +284,18 @@ def watch_run(run: RunDir, reason: list[str], interval: float = 1.0) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def die_with_launcher() -> None:
+    """`areal-hpc run` starts each role in a session of its own, so that Ctrl-C reaches the launcher alone;
+    should the launcher be killed outright, its roles get SIGTERM (Linux's parent-death signal) instead of
+    running on unsupervised."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def role_main(run_dir: str | os.PathLike, role: str) -> int:
     """Run one role until it ends; 0 on success. The callable that every launcher starts."""
     run = RunDir(Path(run_dir))
@@ -290,6 +305,7 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
     # SIGTERM from the launcher or Slurm: leave through the normal exit path so that finally-blocks run
     # (the controller and the trainers replace this once a recover checkpoint can be written).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    die_with_launcher()
     # USR2: Slurm's notice of preemption or of the time limit. Recover checkpoints are written on it once
     # they exist; until then it must not kill the role (USR2's default action).
     signal.signal(signal.SIGUSR2, lambda *_: logging.warning("USR2: preemption or time limit notice"))
