@@ -57,7 +57,7 @@ demo: $(STAMP) tiny
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/demo.py
 
 bench: $(STAMP) tiny
-	@for b in tools/bench_*.py; do [ -e "$$b" ] || continue; echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@rc=0; for b in tools/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || rc=1; done; exit $$rc
 
 # A real Slurm cluster on loopback (tools/slurm_local/cluster.py, standard library only, so no venv needed);
 # as root it installs the Debian packages when they are missing. AREAL_SLURM_ROOT / AREAL_SLURM_PORT_BASE move it.

@@ -14,7 +14,7 @@ on and off. Prints wall time, time inside the training loop (the sum of step tim
 every variant) and the loop's speed-up against the baseline measured in the same run.
 
     python tools/bench_async.py [--steps 30] [--seeds 3] [--parallel] [--tail-steps 12] [--only toy|long-tail]
-                                [--set KEY=VALUE ...]
+                                [--set KEY=VALUE ...] [--variants eta0,eta4,eta4-noint]
 
 Exits non-zero when eta = 4 with interruption is less than 2x faster than eta = 0 on the long-tail workload
 (loop time; checked with two GPUs, where generation and training each have a device), or when its final toy
@@ -156,11 +156,11 @@ def mean_sd(values: list[float]) -> str:
 
 
 def bench(
-    name: str, root: Path, steps: int, seeds: int, parallel: bool, overrides: list[str]
+    name: str, root: Path, steps: int, seeds: int, parallel: bool, overrides: list[str], variants: list
 ) -> list[Result]:
     base = [*workload(name, root, steps), *overrides]
     results = []
-    for label, trial, extra in VARIANTS:
+    for label, trial, extra in variants:
 
         def one(seed: int, trial=trial, extra=extra) -> tuple[float, Path]:
             return run(
@@ -205,14 +205,20 @@ def main() -> int:
     parser.add_argument("--tail-steps", type=int, default=12, help="steps of the long-tail workload")
     parser.add_argument("--only", choices=("toy", "long-tail"))
     parser.add_argument(
+        "--variants", default=",".join(t for _, t, _ in VARIANTS), help="trial names of the variants to run"
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
     )
     ns = parser.parse_args()
+    variants = [v for v in VARIANTS if v[1] in ns.variants.split(",")]  # eta0, eta4 first: compared below
+    if [v[1] for v in variants[:2]] != ["eta0", "eta4"]:
+        parser.error("--variants must include eta0 and eta4: the targets compare them")
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-async-") as root:
         for name, steps, seeds in (("toy", ns.steps, ns.seeds), ("long-tail", ns.tail_steps, 1)):
             if ns.only in (None, name):
-                results[name] = bench(name, Path(root), steps, seeds, ns.parallel, ns.set)
+                results[name] = bench(name, Path(root), steps, seeds, ns.parallel, ns.set, variants)
     print(f"\n{'workload':10} {'variant':24} {'wall':>8} {'loop':>8} {'loop speed-up':>14} "
           f"{'train reward (last 5)':>22} {'held-out accuracy':>18}")  # fmt: skip
     for name, rows in results.items():
