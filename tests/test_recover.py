@@ -21,6 +21,7 @@ from areal_hpc.monitor.stats import StatsLog, read_stats
 from areal_hpc.recover import attempt
 from areal_hpc.recover.checkpoint import Checkpoints
 from areal_hpc.recover.rewind import rewind, save_into
+from areal_hpc.recover.signals import PreemptNotice
 from areal_hpc.recover.state import RecoverError, check_compatible, identity, resumes
 from tests.helpers import REPO_ROOT
 
@@ -166,3 +167,17 @@ def test_a_step_records_its_groups_and_the_dropped_ones_by_prompt_epoch(tmp_path
     records = [(r.epoch, r.step, r.ids, r.dropped) for r in master.ledger.records()]
     assert records == [(0, 5, ("a",), False), (1, 5, ("b",), False), (1, 5, ("d",), True)]
     assert master.store.dropped() == []  # recorded once
+
+
+def test_a_publish_that_fails_after_sigterm_is_skipped_so_that_the_step_can_be_checkpointed():
+    class ServersGone:
+        def publish(self, version: int) -> dict:
+            raise ConnectionResetError("server 0 is gone")
+
+    notice = PreemptNotice()
+    master = SimpleNamespace(counter=SimpleNamespace(version=3), notice=notice, publisher=ServersGone())
+    with pytest.raises(ConnectionResetError):  # without a notice a failed publication fails the run
+        Master.publish(master)
+    notice.urgent = True  # SIGTERM came while the servers took the weights
+    assert Master.publish(master) == {}
+    assert master.counter.version == 5  # the trainers hold it; a resume republishes it

@@ -176,12 +176,17 @@ class Master:
         `weight_update_mode` says (`areal_hpc.weights`): broadcast from trainer rank 0, or a snapshot on
         disk; `timeperf/weight_sync` and the bytes sent."""
         self.counter.version += int(new_version)
-        if self.notice.urgent:  # the servers are stopping too; a resume republishes the trainers' weights
-            logger.warning("SIGTERM: weight version %d not sent to the servers", self.counter.version)
+        try:
+            if self.notice.urgent:  # the servers are stopping too; a resume republishes the trainers' weights
+                raise RuntimeError("not sent after SIGTERM")
+            if self.publisher is None:  # made once: the broadcast group is set up at the first publish
+                self.publisher = make_publisher(self.cfg, self.rundir, self.trainers, self.clients)
+            return self.publisher.publish(self.counter.version)
+        except Exception as exc:
+            if not self.notice.urgent:  # SIGTERM may come while the servers take the weights
+                raise
+            logger.warning("SIGTERM: weight version %d not published: %s", self.counter.version, exc)
             return {}
-        if self.publisher is None:  # made once: the broadcast group is set up at the first publish
-            self.publisher = make_publisher(self.cfg, self.rundir, self.trainers, self.clients)
-        return self.publisher.publish(self.counter.version)
 
     def finish_step(self, stats: dict[str, float], step_start: float) -> None:
         c = self.counter
