@@ -215,6 +215,8 @@ def main() -> int:
     variants = [v for v in VARIANTS if v[1] in ns.variants.split(",")]  # eta0, eta4 first: compared below
     if [v[1] for v in variants[:2]] != ["eta0", "eta4"]:
         parser.error("--variants must include eta0 and eta4: the targets compare them")
+    if ns.seeds < 2:
+        parser.error("--seeds must be 2 or more: the toy's noise is their spread")
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-async-") as root:
         for name, steps, seeds in (("toy", ns.steps, ns.seeds), ("long-tail", ns.tail_steps, 1)):
