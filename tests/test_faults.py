@@ -106,11 +106,19 @@ def toy_job(slurm_env, tmp_path, tiny_model_dir, tiny_build):
 # --- the faults ---------------------------------------------------------------------------------------------
 
 
-def test_a_trainer_killed_at_a_random_step(slurm_env, draw, toy_job, say):
-    fault = draw("trainer-kill")
+@pytest.mark.parametrize(
+    "role, name",
+    [
+        ("trainer", "trainer-kill"),
+        pytest.param("controller", "controller-kill", marks=pytest.mark.slow),
+        pytest.param("gen_server", "gen-server-kill", marks=pytest.mark.slow),
+    ],
+)
+def test_a_role_killed_at_a_random_step(slurm_env, draw, toy_job, say, role, name):
+    fault = draw(name)
     run, job_id = toy_job(fault)
-    trainer = wait_role(run, "trainer", 0)
-    strike(run, fault, lambda: os.kill(trainer, signal.SIGKILL))
+    victim = wait_role(run, role, 0)
+    strike(run, fault, lambda: os.kill(victim, signal.SIGKILL))
     check_survived(slurm_env, run, job_id, fault, say)
 
 
@@ -136,24 +144,6 @@ def test_a_truncated_checkpoint_is_skipped_for_the_one_before(slurm_env, draw, t
     log = controller_log(run, fault.attempt + 1)
     assert f"recover checkpoint {path.parent} is damaged" in log and str(path) in log, log
     assert f"resumes from recover checkpoint {previous}" in log, log
-
-
-@pytest.mark.slow
-def test_the_controller_killed_at_a_random_step(slurm_env, draw, toy_job, say):
-    fault = draw("controller-kill")
-    run, job_id = toy_job(fault)
-    controller = wait_role(run, "controller", 0)
-    strike(run, fault, lambda: os.kill(controller, signal.SIGKILL))
-    check_survived(slurm_env, run, job_id, fault, say)
-
-
-@pytest.mark.slow
-def test_a_generation_server_killed_at_a_random_step(slurm_env, draw, toy_job, say):
-    fault = draw("gen-server-kill")
-    run, job_id = toy_job(fault)
-    server = wait_role(run, "gen_server", 0)
-    strike(run, fault, lambda: os.kill(server, signal.SIGKILL))
-    check_survived(slurm_env, run, job_id, fault, say)
 
 
 @pytest.mark.slow
