@@ -171,14 +171,15 @@ def bench(
 
         with ThreadPoolExecutor(seeds if parallel else 1) as pool:
             runs = list(pool.map(one, range(1, seeds + 1)))
+        walls = [wall for wall, _ in runs]
         loops = [loop_secs(r) for _, r in runs]
         rewards = [final_reward(r) for _, r in runs]
-        accs = [a for _, r in runs if (a := final_accuracy(r)) is not None]
-        for seed, ((wall, r), loop) in enumerate(zip(runs, loops, strict=True), start=1):
-            print(f"  {name:9} {label:24} seed {seed}: {wall:7.1f} s (loop {loop:.1f} s)  "
-                  f"reward {final_reward(r):.3f}  held-out {final_accuracy(r)}")  # fmt: skip
+        accs = [final_accuracy(r) for _, r in runs]
+        for seed, row in enumerate(zip(walls, loops, rewards, accs, strict=True), start=1):
+            print(f"  {name:9} {label:24} seed {seed}: {row[0]:7.1f} s (loop {row[1]:.1f} s)  "
+                  f"reward {row[2]:.3f}  held-out {row[3]}")  # fmt: skip
         print(f"    {breakdown(runs[0][1])}")
-        walls = [wall for wall, _ in runs]
+        accs = [a for a in accs if a is not None]
         results.append(Result(label, statistics.mean(walls), statistics.mean(loops), rewards, accs))
     return results
 
