@@ -51,8 +51,8 @@ def cmd_config_options(ns: argparse.Namespace) -> int:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    from areal_hpc.control.rundir import default_trial_name
     from areal_hpc.launch.local import run_local
-    from areal_hpc.launch.rundir import default_trial_name
 
     paths, overrides = split_args(ns.args)
     cfg = load_config(paths, overrides)
@@ -110,7 +110,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
     run = runs.find_run(ns.run, ns.fileroot)
     find = lambda: runs.log_files(run, ns.role)  # noqa: E731
     if ns.follow:
-        ended = lambda: (s := get_status(run.root)) is not None and s.final  # noqa: E731
+        ended = lambda: (s := get_status(run)) is not None and s.final  # noqa: E731
         runs.follow(find, sys.stdout, ended)
         return 0
     if not find():
@@ -127,7 +127,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
     from areal_hpc.launch import runs
 
     for run in runs.list_runs(ns.fileroot):
-        status = get_status(run.root)
+        status = get_status(run)
         jobs = ",".join(runs.job_ids(run)) or "local"
         print(f"{run.root}  {status.state if status else 'NOT STARTED'}  jobs {jobs}")
     return 0

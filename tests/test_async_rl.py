@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from areal_hpc.config import load_config
 from areal_hpc.control.ledger import Ledger
+from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.launch.local import run_local
-from areal_hpc.launch.rundir import run_dir_of
 from areal_hpc.monitor.stats import read_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def test_eta_0_first_update_equals_the_synchronous_update(tmp_path, tiny_model_d
     assert any(not torch.equal(before[k], after_sync[k]) for k in before)  # the update did something
     for name, tensor in after_sync.items():
         torch.testing.assert_close(after_async[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    (sync_step,), (async_step,) = Ledger(sync.root).records(), Ledger(eta0.root).records()
+    (sync_step,), (async_step,) = Ledger(sync.ledger).records(), Ledger(eta0.ledger).records()
     assert sorted(sync_step.ids) == sorted(async_step.ids)  # the same prompts
 
 
@@ -69,6 +69,6 @@ def test_generation_runs_ahead_of_training(tmp_path, tiny_model_dir, easy_data):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert max(r["ppo_actor/head_offpolicyness/max"] for r in steps) >= 1  # trained on older weights' answers
     assert all(r["ppo_actor/tail_offpolicyness/max"] <= r["ppo_actor/head_offpolicyness/max"] for r in steps)
-    assert [len(r.ids) for r in Ledger(run.root).records()] == [8] * 6
+    assert [len(r.ids) for r in Ledger(run.ledger).records()] == [8] * 6
     # The staleness bound itself is the manager's (tests/test_gen_manager.py): it bounds when a rollout may
     # start; an answer that outlives several versions is trained later, continued on newer weights.

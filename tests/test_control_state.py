@@ -16,7 +16,7 @@ from areal_hpc.control import (
     RUNNING,
     Heartbeat,
     Ledger,
-    StatusError,
+    RunDir,
     abort,
     complete,
     dead_workers,
@@ -24,6 +24,7 @@ from areal_hpc.control import (
     last_beat,
     set_status,
 )
+from areal_hpc.control.status import StatusError
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -83,23 +84,25 @@ def test_heartbeat_names_are_checked(tmp_path):
 
 
 def test_status_is_final_once_complete_or_aborted(tmp_path):
-    assert get_status(tmp_path) is None
-    running = set_status(tmp_path, RUNNING, role="controller")
-    assert get_status(tmp_path) == running and not running.final
-    done = complete(tmp_path, role="controller")
-    assert get_status(tmp_path).state == COMPLETE and done.final and done.time > 0
+    run = RunDir(tmp_path)
+    assert get_status(run) is None
+    running = set_status(run, RUNNING, role="controller")
+    assert get_status(run) == running and not running.final
+    done = complete(run, role="controller")
+    assert get_status(run).state == COMPLETE and done.final and done.time > 0
     with pytest.raises(StatusError, match="already COMPLETE.*reset=True"):
-        set_status(tmp_path, RUNNING, role="controller")
+        set_status(run, RUNNING, role="controller")
     with pytest.raises(StatusError, match="already COMPLETE"):
-        set_status(tmp_path, ABORTED, reason="late", role="trainer0")
-    assert set_status(tmp_path, RUNNING, role="controller", reset=True).state == RUNNING
+        set_status(run, ABORTED, reason="late", role="trainer0")
+    assert set_status(run, RUNNING, role="controller", reset=True).state == RUNNING
 
 
 def test_abort_keeps_the_first_cause(tmp_path):
-    set_status(tmp_path, RUNNING, role="controller")
-    first = abort(tmp_path, "trainer0 died (no heartbeat for 60 s)", role="controller")
-    assert abort(tmp_path, "lost the controller", role="gen_server0") == first
-    status = get_status(tmp_path)
+    run = RunDir(tmp_path)
+    set_status(run, RUNNING, role="controller")
+    first = abort(run, "trainer0 died (no heartbeat for 60 s)", role="controller")
+    assert abort(run, "lost the controller", role="gen_server0") == first
+    status = get_status(run)
     assert (status.state, status.role, status.reason) == (
         ABORTED,
         "controller",
@@ -108,37 +111,38 @@ def test_abort_keeps_the_first_cause(tmp_path):
 
 
 def test_unknown_states_are_refused(tmp_path):
+    run = RunDir(tmp_path)
     with pytest.raises(StatusError, match="PAUSED"):
-        set_status(tmp_path, "PAUSED")
+        set_status(run, "PAUSED")
 
 
 # ledger
 
 
 def test_ledger_records_consumed_ids_per_epoch(tmp_path):
-    ledger = Ledger(tmp_path)
+    ledger = Ledger(tmp_path / "ledger.jsonl")
     assert ledger.last_step() is None and ledger.consumed(0) == set()
     ledger.record(0, 1, ["a", "b"])
     ledger.record(0, 2, [3, 4])
     ledger.record(1, 3, ["a"])
-    assert Ledger(tmp_path).consumed(0) == {"a", "b", "3", "4"}
+    assert Ledger(tmp_path / "ledger.jsonl").consumed(0) == {"a", "b", "3", "4"}
     assert ledger.consumed(1) == {"a"}
     assert ledger.last_step() == 3 and ledger.last().epoch == 1
 
 
 def test_a_torn_last_line_is_ignored_with_a_warning_and_cut_before_appending(tmp_path, caplog):
-    ledger = Ledger(tmp_path)
+    ledger = Ledger(tmp_path / "ledger.jsonl")
     ledger.record(0, 1, ["a"])
     ledger.record(0, 2, ["b"])
     with open(ledger.path, "ab") as f:
         f.write(b'{"epoch": 0, "step": 3, "ids": ["c", "d')  # a crash mid-write
     with caplog.at_level(logging.WARNING):
-        assert Ledger(tmp_path).consumed(0) == {"a", "b"}
-        assert Ledger(tmp_path).last_step() == 2
+        assert Ledger(tmp_path / "ledger.jsonl").consumed(0) == {"a", "b"}
+        assert Ledger(tmp_path / "ledger.jsonl").last_step() == 2
     assert "torn last line 3" in caplog.text
 
     caplog.clear()
-    writer = Ledger(tmp_path)  # a restarted controller appends after the last whole line
+    writer = Ledger(tmp_path / "ledger.jsonl")  # a restarted controller appends after the last whole line
     with caplog.at_level(logging.WARNING):
         writer.record(0, 3, ["c", "d"])
     assert "cutting a torn last line" in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +14,11 @@ from areal_hpc.control import (
     RemoteError,
     ReplyTimeout,
     Request,
+    RunDir,
     WorkerServer,
-    flush_plan,
     last_beat,
 )
+from areal_hpc.control.flush import flush_plan
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -87,13 +89,13 @@ class Recorder:
 
 
 def _serve_recorder(run_dir: str) -> None:
-    WorkerServer(run_dir, "trainer0", Recorder(), heartbeat_interval=0.1).serve()
+    WorkerServer(RunDir(Path(run_dir)), "trainer0", Recorder(), heartbeat_interval=0.1).serve()
 
 
 def test_worker_server_end_to_end_in_a_child_process(tmp_path):
     child = SPAWN.Process(target=_serve_recorder, args=(str(tmp_path),))
     child.start()
-    box = Mailbox(tmp_path)
+    box = Mailbox(RunDir(tmp_path).mailboxes)
     try:
         train = box.post(
             "trainer0", "train_step", "t", pre_hooks=["data_transfer"], post_hooks=["save"], group_size=4
@@ -141,11 +143,16 @@ def test_worker_server_end_to_end_in_a_child_process(tmp_path):
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
-    assert last_beat(tmp_path, "trainer0")["state"] == "stopped"
+    assert last_beat(RunDir(tmp_path).heartbeats, "trainer0")["state"] == "stopped"
 
 
 def _server(tmp_path, handlers, hooks=None, **options) -> tuple[Mailbox, Inbox, WorkerServer]:
-    return Mailbox(tmp_path), Inbox(tmp_path, "w"), WorkerServer(tmp_path, "w", handlers, hooks, **options)
+    run = RunDir(tmp_path)
+    return (
+        Mailbox(run.mailboxes),
+        Inbox(run.mailboxes, "w"),
+        WorkerServer(run, "w", handlers, hooks, **options),
+    )
 
 
 def test_a_failing_pre_hook_skips_its_request_only(tmp_path):
@@ -188,4 +195,4 @@ def test_stop_from_another_thread_answers_queued_requests(tmp_path):
     server.serve()
     with pytest.raises(RemoteError, match="WorkerStopped"):
         box.wait_reply("w", queued, timeout=5)
-    assert last_beat(tmp_path, "w")["state"] == "stopped"
+    assert last_beat(RunDir(tmp_path).heartbeats, "w")["state"] == "stopped"

@@ -31,7 +31,7 @@ import pytest
 
 from areal_hpc.control import fsio
 from areal_hpc.control.ledger import Ledger
-from areal_hpc.control.status import COMPLETE, finished_path, get_status
+from areal_hpc.control.status import COMPLETE, get_status
 from areal_hpc.launch import runs, slurm
 from areal_hpc.monitor.stats import read_stats
 from areal_hpc.recover.attempt import next_attempt
@@ -126,7 +126,7 @@ def test_a_truncated_checkpoint_is_skipped_for_the_one_before(slurm_env, draw, t
     fault = draw("truncated-checkpoint", low=2)
     run, job_id = toy_job(fault)
     controller = wait_role(run, "controller", 0)
-    ckpts = Checkpoints(run.root)
+    ckpts = Checkpoints(run.recover)
     wait_until(lambda: len(ckpts.steps()) >= 2, run)  # a recover checkpoint and a newer one
     damaged: list[Path] = []
 
@@ -210,7 +210,7 @@ def test_a_time_limit_checkpoints_on_its_notice_and_the_job_requeues_itself(
     assert set(ended.values()) == {"COMPLETED"}, (ended, job_log(run, "err"))
     assert "stopped on a preemption or time-limit notice" in job_log(run, "err")
     assert not (run.logs / "failed_attempts").exists()  # notices are no failures
-    records = list(Ledger(run.root).records())
+    records = list(Ledger(run.ledger).records())
     assert sorted(r.step for r in records) == list(range(1, 121))
     assert max(Counter((r.epoch, i) for r in records for i in r.ids).values()) == 1
     say(f"fault time-limit: survived in {next_attempt(run)} attempts")
@@ -224,7 +224,7 @@ def wait_until(ready: Callable[[], bool], run, timeout: float = 300.0) -> None:
     busy cores: importing torch and transformers in three processes)."""
     deadline = time.monotonic() + timeout
     while not ready():
-        status = get_status(run.root)
+        status = get_status(run)
         assert status is None or status.state != "ABORTED", status
         assert time.monotonic() < deadline, f"not ready within {timeout} s; logs: {runs.log_files(run)}"
         time.sleep(0.05)
@@ -246,7 +246,7 @@ def check_survived(cluster, run, job_id: str, fault: Fault, say) -> None:
     COMPLETED, FINISHED and COMPLETE; every step once in ledger and statistics; no prompt lost or twice."""
     ended = wait_ended(cluster, job_id, run)
     states = slurm.wait_final([job_id], timeout=60)  # sacct agrees, component by component
-    records = list(Ledger(run.root).records())
+    records = list(Ledger(run.ledger).records())
     used = Counter((r.epoch, i) for r in records for i in r.ids)
     planned = planned_ids(run, STEPS)
     lost = len(set(planned) - set(used)) + sum(n - 1 for n in used.values())
@@ -255,10 +255,10 @@ def check_survived(cluster, run, job_id: str, fault: Fault, say) -> None:
     stats = read_stats(run.stats)
     step_rows = [r["step"] for r in stats if "timeperf/e2e" in r]
     reward_rows = [r["step"] for r in stats if "ppo_actor/task_reward/avg" in r]
-    status = get_status(run.root)
+    status = get_status(run)
     checks = {
         "Slurm says COMPLETED": set(ended.values()) == set(states.values()) == {"COMPLETED"},
-        "FINISHED and COMPLETE": finished_path(run.root).exists() and status.state == COMPLETE,
+        "FINISHED and COMPLETE": run.finished.exists() and status.state == COMPLETE,
         "the ledger holds every step once": ledger_steps == every,
         "the statistics hold every step once": step_rows == reward_rows == every,
         "the planned prompts, each once": lost == 0 and sorted(used) == sorted(planned),

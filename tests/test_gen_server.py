@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from areal_hpc.control.manifest import write_manifest
 from areal_hpc.gen.client import GenClient, GenServerError
 from areal_hpc.gen.server import ServerSetupError, main, read_token
-from areal_hpc.weights.disk import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-secret-token"

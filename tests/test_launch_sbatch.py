@@ -8,6 +8,7 @@ import pytest
 
 from areal_hpc.cli import main
 from areal_hpc.config import load_config
+from areal_hpc.control import RunDir
 from areal_hpc.launch.plan import PlanError, launch_plan
 from areal_hpc.launch.sbatch import render
 from areal_hpc.launch.submit import dry_run_text, prepare
@@ -22,7 +23,8 @@ def config(*files, overrides=()):
 
 
 def scripts_of(cfg):
-    plan = launch_plan(cfg, Path("/shared/runs") / cfg.experiment_name / "golden", workdir=Path("/home/u/rl"))
+    run = RunDir(Path("/shared/runs") / cfg.experiment_name / "golden")
+    plan = launch_plan(cfg, run, workdir=Path("/home/u/rl"))
     return plan, [render(plan, job, cfg, version="0.0-golden") for job in plan.jobs]
 
 
@@ -93,11 +95,11 @@ def test_a_layout_slurm_cannot_place_is_refused_naming_the_field():
         "qwen3-1.7b-8gpu.yaml", overrides=["cluster.n_nodes=4", "allocation_mode=sglang.d4p1m1+d7p2m2"]
     )
     with pytest.raises(PlanError, match="allocation_mode: generation and training share node 0"):
-        launch_plan(cfg, Path("/x"))
+        launch_plan(cfg, RunDir(Path("/x")))
     with pytest.raises(PlanError, match="colocated"):
-        launch_plan(config("toy-cpu.yaml", overrides=["allocation_mode=d2p1m1"]), Path("/x"))
+        launch_plan(config("toy-cpu.yaml", overrides=["allocation_mode=d2p1m1"]), RunDir(Path("/x")))
     with pytest.raises(PlanError, match="slurm.nodelist"):
-        launch_plan(config("toy-cpu.yaml", overrides=["cluster.slurm.nodelist=n1"]), Path("/x"))
+        launch_plan(config("toy-cpu.yaml", overrides=["cluster.slurm.nodelist=n1"]), RunDir(Path("/x")))
 
 
 def test_dry_run_writes_nothing(tmp_path):

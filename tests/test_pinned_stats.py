@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.launch.local import run_local
-from areal_hpc.launch.rundir import run_dir_of
 from areal_hpc.monitor.stats import read_stats
 
 PINS = Path(__file__).parent / "golden" / "pinned-stats.json"

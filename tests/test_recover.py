@@ -12,10 +12,10 @@ import pytest
 from areal_hpc.config import load_config
 from areal_hpc.control import fsio
 from areal_hpc.control.ledger import Ledger
+from areal_hpc.control.rundir import RunDir
 from areal_hpc.control.status import ABORTED, complete, set_status
 from areal_hpc.data.store import RolloutStore
 from areal_hpc.gen.rollout_worker import used_prompts
-from areal_hpc.launch.rundir import RunDir
 from areal_hpc.master.loop import Master
 from areal_hpc.monitor.stats import StatsLog, read_stats
 from areal_hpc.recover import attempt
@@ -34,7 +34,7 @@ def write_checkpoint(ckpts: Checkpoints, step: int) -> None:
 
 
 def test_a_checkpoint_appears_whole_under_its_name_and_only_the_newest_are_kept(tmp_path):
-    ckpts = Checkpoints(tmp_path, keep=2)
+    ckpts = Checkpoints(RunDir(tmp_path).recover, keep=2)
     for step in (2, 4, 6):
         write_checkpoint(ckpts, step)
     assert ckpts.steps() == [4, 6]
@@ -43,7 +43,7 @@ def test_a_checkpoint_appears_whole_under_its_name_and_only_the_newest_are_kept(
 
 
 def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path, caplog):
-    ckpts = Checkpoints(tmp_path, keep=3)
+    ckpts = Checkpoints(RunDir(tmp_path).recover, keep=3)
     for step in (2, 4):
         write_checkpoint(ckpts, step)
     bad = ckpts.path(4) / "trainer0.pt"
@@ -54,7 +54,7 @@ def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path
 
 
 def test_a_checkpoint_whose_writer_died_is_never_used(tmp_path):
-    ckpts = Checkpoints(tmp_path)
+    ckpts = Checkpoints(RunDir(tmp_path).recover)
     write_checkpoint(ckpts, 2)
     (ckpts.begin(4) / "trainer0.pt").write_bytes(b"half")  # crashed before commit: a hidden folder
     assert ckpts.steps() == [2] and ckpts.latest() == ckpts.path(2)
@@ -89,7 +89,7 @@ def test_recover_mode_resume_without_a_checkpoint_is_an_error():
 
 def test_rewinding_removes_every_trace_of_steps_after_the_checkpoint(tmp_path):
     run = RunDir(tmp_path)
-    ledger, stats = Ledger(tmp_path), StatsLog(run.stats)
+    ledger, stats = Ledger(run.ledger), StatsLog(run.stats)
     for step in (1, 2, 3):
         ledger.record(0, step, [f"q{step}"])
         stats.write(step, {"loss": float(step)})
@@ -119,16 +119,16 @@ def test_rewinding_removes_every_trace_of_steps_after_the_checkpoint(tmp_path):
 
 def test_a_fresh_start_in_a_used_directory_clears_the_earlier_attempts_traces(tmp_path):
     run = RunDir(tmp_path)
-    Ledger(tmp_path).record(0, 1, ["q1"])
+    Ledger(run.ledger).record(0, 1, ["q1"])
     StatsLog(run.stats).write(1, {"loss": 1.0})
     rewind(run, step=0, version=0)
-    assert list(Ledger(tmp_path).records()) == [] and read_stats(run.stats) == []
+    assert list(Ledger(run.ledger).records()) == [] and read_stats(run.stats) == []
 
 
 def test_each_attempt_gets_its_log_folder_and_a_clean_coordination_state(tmp_path):
     run = RunDir(tmp_path)
     assert attempt.begin_attempt(run) == 0
-    set_status(tmp_path, ABORTED, reason="trainer0 died")
+    set_status(run, ABORTED, reason="trainer0 died")
     fsio.write_json(tmp_path / "heartbeat" / "controller.json", {"state": "alive"})
     fsio.write_json(run.gen_address(0), {"url": "http://dead"})
     run.dist_init.write_text("")
@@ -140,14 +140,14 @@ def test_each_attempt_gets_its_log_folder_and_a_clean_coordination_state(tmp_pat
 
 
 def test_a_finished_run_begins_no_attempt(tmp_path, capsys):
-    complete(tmp_path, "controller")
+    complete(RunDir(tmp_path), "controller")
     assert attempt.main(["--run-dir", str(tmp_path)]) == attempt.EXIT_FINISHED
     assert "finished" in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
 
 
 def test_a_resumed_rollout_side_skips_prompts_trained_on_waiting_or_dropped(tmp_path):
-    ledger, store = Ledger(tmp_path), RolloutStore(tmp_path)
+    ledger, store = Ledger(RunDir(tmp_path).ledger), RolloutStore(RunDir(tmp_path).rollouts)
     ledger.record(0, 1, ["a", "b"])
     ledger.record(1, 2, ["a"])
     arrays = {
@@ -161,7 +161,9 @@ def test_a_resumed_rollout_side_skips_prompts_trained_on_waiting_or_dropped(tmp_
 
 
 def test_a_step_records_its_groups_and_the_dropped_ones_by_prompt_epoch(tmp_path):
-    master = SimpleNamespace(ledger=Ledger(tmp_path), store=RolloutStore(tmp_path))
+    master = SimpleNamespace(
+        ledger=Ledger(RunDir(tmp_path).ledger), store=RolloutStore(RunDir(tmp_path).rollouts)
+    )
     master.store.put_dropped(0, 7, 1.0, "d", 1)
     Master.record_used(master, 5, [{"query_id": "a", "epoch": 0}, {"query_id": "b", "epoch": 1}])
     records = [(r.epoch, r.step, r.ids, r.dropped) for r in master.ledger.records()]

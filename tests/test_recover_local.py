@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from areal_hpc.control import fsio
 from areal_hpc.control.ledger import Ledger
+from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
-from areal_hpc.launch.rundir import run_dir_of
 from areal_hpc.launch.runs import status_lines
 from areal_hpc.monitor.stats import read_stats
 from tests.helpers import role_pids
@@ -50,7 +50,7 @@ def kill_at_step(
 
 def assert_exactly_once(run, steps: int, batch: int, epochs: int = 1) -> None:
     """Every step recorded once, and within each epoch no prompt used twice."""
-    records = list(Ledger(run.root).records())
+    records = list(Ledger(run.ledger).records())
     assert sorted({r.step for r in records}) == list(range(1, steps + 1))
     for epoch in range(epochs):
         used = Counter(i for r in records if r.epoch == epoch for i in r.ids)
@@ -78,7 +78,7 @@ def test_a_killed_controller_resumes_and_ends_bit_for_bit_as_an_uninterrupted_ru
         "exp_ctrl.ckpt_freq_steps=2", "recover_after=0", "dataset.valid_path=null",
     ]  # fmt: skip
     straight, run = straight_and_killed(toy, "", *common)
-    assert get_status(run.root).state == "COMPLETE"
+    assert get_status(run).state == "COMPLETE"
     log = (run.attempt_logs(1) / "controller.log").read_text()
     assert "resumes from recover checkpoint" in log and "step00000002" in log
     assert_exactly_once(run, STEPS, 4, epochs=3)
@@ -158,7 +158,7 @@ def test_an_asynchronous_run_resumes_with_the_same_ledger_and_close_weights(toy)
     straight, run = straight_and_killed(toy, "async-", *common)
     assert run.attempt_logs(1).is_dir()
     assert_exactly_once(run, STEPS, 4)
-    by_step = [{r.step: set(r.ids) for r in Ledger(d.root).records()} for d in (straight, run)]
+    by_step = [{r.step: set(r.ids) for r in Ledger(d.ledger).records()} for d in (straight, run)]
     assert by_step[0] == by_step[1]
     expected, got = final_weights(straight), final_weights(run)
     assert all(torch.allclose(expected[k], got[k], atol=1e-5) for k in expected)

@@ -14,10 +14,10 @@ import pytest
 import submitit
 
 from areal_hpc.control.ledger import Ledger
+from areal_hpc.control.rundir import RunDir, create_run_dir, run_dir_of
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
 from areal_hpc.launch.roles import role_main
-from areal_hpc.launch.rundir import create_run_dir, run_dir_of
 from areal_hpc.monitor.stats import read_stats
 from tests.helpers import role_pids
 
@@ -30,13 +30,13 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
     cfg = toy.config("t3", 3, *TWO_TRAINERS, "max_running_requests=6")
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
-    assert get_status(run.root).state == "COMPLETE"
+    assert get_status(run).state == "COMPLETE"
     steps = [r for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in steps)  # reduced over both ranks
     assert all(r["ppo_actor/importance_weight/avg"] == pytest.approx(1.0, abs=1e-3) for r in steps)
     assert all(r["ppo_actor/head_offpolicyness/max"] == 0 for r in steps)  # synchronous: fresh weights
-    records = list(Ledger(run.root).records())
+    records = list(Ledger(run.ledger).records())
     assert [len(r.ids) for r in records] == [4, 4, 4] and len({i for r in records for i in r.ids}) == 12
     assert (run.root / "checkpoints/actor/epoch0epochstep3globalstep3/model.safetensors").is_file()
     assert not list((run.root / "data").glob("step*"))  # each step's data dropped after the step
@@ -80,7 +80,7 @@ def test_killing_a_role_mid_run_stops_every_role_with_a_clear_error(toy, victim)
     assert proc.returncode == 1
     assert victim in err and ("exit code -9" in err or "aborted the run" in err), err
     assert role_pids(run_root) == {}
-    assert get_status(run_root).state == "ABORTED"
+    assert get_status(RunDir(run_root)).state == "ABORTED"
 
 
 def test_roles_stop_when_the_launcher_is_killed_outright(toy):
@@ -101,7 +101,7 @@ def test_ctrl_c_stops_every_role(toy):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "interrupted" in err
     assert role_pids(run_root) == {}
-    assert get_status(run_root).state == "ABORTED"
+    assert get_status(RunDir(run_root)).state == "ABORTED"
 
 
 def test_submitit_local_executor_starts_the_same_entry_point(toy, tmp_path):
@@ -116,6 +116,6 @@ def test_submitit_local_executor_starts_the_same_entry_point(toy, tmp_path):
 
     jobs = [submit("gen_server", 1), submit("trainer", 2), submit("controller", 1)]
     assert [job.results() for job in jobs] == [[0], [0, 0], [0]]
-    assert get_status(run.root).state == "COMPLETE"
+    assert get_status(run).state == "COMPLETE"
     assert [r["step"] for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r] == [1, 2]
     assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r)

@@ -14,9 +14,9 @@ import pytest
 from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.control import fsio
-from areal_hpc.control.status import finished_path, get_status
+from areal_hpc.control.rundir import RunDir, create_run_dir
+from areal_hpc.control.status import get_status
 from areal_hpc.launch import runs, slurm, submit
-from areal_hpc.launch.rundir import RunDir, create_run_dir
 from areal_hpc.recover.checkpoint import Checkpoints
 from tests.slurm import job_log, role_env, start_requeued, wait_role
 from tests.test_slurm_submit import ROOT, submit_toy, toy_overrides, wait_for_step
@@ -37,7 +37,7 @@ def test_a_killed_trainer_requeues_the_hetjob_and_the_next_attempt_resumes(
         tmp_path, tiny_model_dir, easy_data, "requeue", 3, *RECOVER, "exp_ctrl.ckpt_freq_steps=1"
     )
     deadline = time.monotonic() + 90
-    while Checkpoints(run.root).latest() is None:  # a step trained and checkpointed
+    while Checkpoints(run.recover).latest() is None:  # a step trained and checkpointed
         assert time.monotonic() < deadline, runs.log_files(run)
         time.sleep(0.2)
     os.kill(wait_role(run, "trainer", 0), signal.SIGKILL)
@@ -57,7 +57,7 @@ def test_a_killed_trainer_requeues_the_hetjob_and_the_next_attempt_resumes(
     # The resume itself (controller, recover/): attempt 1 started from the checkpoint of a step, not afresh.
     start = fsio.read_json(run.start_point)
     assert start["attempt"] == 1 and start["global_step"] >= 1, start
-    assert get_status(run.root).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 3
+    assert get_status(run).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 3
 
 
 def test_scontrol_requeue_checkpoints_on_sigterm_and_the_requeued_run_resumes_there(
@@ -77,7 +77,7 @@ def test_scontrol_requeue_checkpoints_on_sigterm_and_the_requeued_run_resumes_th
     start = fsio.read_json(run.start_point)
     assert start["attempt"] == 1 and start["global_step"] >= 2, start
     assert not (run.logs / "failed_attempts").exists()  # Slurm's requeue is no failure
-    assert get_status(run.root).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 8
+    assert get_status(run).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 8
 
 
 def test_a_job_whose_retries_are_used_up_fails_without_another_attempt(
@@ -105,7 +105,7 @@ def made_run(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, *extr
 
 def test_submit_recover_refuses_a_finished_run(tmp_path, tiny_model_dir, easy_data, capsys):
     run = made_run(tmp_path, tiny_model_dir, easy_data, "done")
-    finished_path(run.root).touch()
+    run.finished.touch()
     assert main(["submit", "--recover", "toy-cpu/done", "--fileroot", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"cannot recover {run.root}: it finished (FINISHED exists)" in err

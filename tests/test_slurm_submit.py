@@ -13,7 +13,7 @@ import pytest
 from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.control import fsio
-from areal_hpc.control.status import finished_path, get_status
+from areal_hpc.control.status import get_status
 from areal_hpc.launch import runs, slurm, submit
 from areal_hpc.monitor.stats import read_stats
 
@@ -44,7 +44,7 @@ def submit_toy(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, ste
 def wait_for_step(run, step: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while (fsio.read_json(run.progress) or {}).get("step", 0) < step:
-        status = get_status(run.root)
+        status = get_status(run)
         assert status is None or status.state != "ABORTED", status
         assert time.monotonic() < deadline, f"no step {step} within {timeout} s; logs: {runs.log_files(run)}"
         time.sleep(0.5)
@@ -74,7 +74,7 @@ def test_toy_runs_as_one_heterogeneous_job_and_both_components_complete(
     assert states == {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"}, runs.log_files(run)
     assert slurm.job(run.root / "slurm", job_id).state == "COMPLETED"  # submitit's Job sees the N+0 row
     assert [r["step"] for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r] == [1, 2]
-    assert finished_path(run.root).exists()
+    assert run.finished.exists()
     logs = {p.name for p in runs.log_files(run)}
     assert logs == {"controller.log", "gen_server0.log", "trainer0.log"}  # logs/attempt0/
     assert main(["status", "toy-cpu/het", "--fileroot", str(tmp_path)]) == 0
@@ -129,7 +129,7 @@ def test_two_jobs_meet_through_the_run_directory_when_hetjobs_are_off(
     assert len(job_ids) == 2
     states = slurm.wait_final(job_ids, timeout=180)
     assert set(states.values()) == {"COMPLETED"}, (states, runs.log_files(run))
-    assert get_status(run.root).state == "COMPLETE"
+    assert get_status(run).state == "COMPLETE"
     # A job sacct does not know (yet) is not over: waiting on it with an ended one times out.
     with pytest.raises(TimeoutError, match="still not ended"):
         slurm.wait_final([job_ids[0], "999999"], timeout=2)

@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from areal_hpc.config import load_config  # noqa: E402
+from areal_hpc.control.rundir import run_dir_of  # noqa: E402
 from areal_hpc.launch.local import run_local  # noqa: E402
-from areal_hpc.launch.rundir import run_dir_of  # noqa: E402
 from areal_hpc.monitor.stats import read_stats  # noqa: E402
 
 TARGET_SPEEDUP = 2.0

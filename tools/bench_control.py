@@ -2,8 +2,9 @@
 
 1. Round trip: a caller process posts a request to a WorkerServer in another process and waits for the
    reply, a few thousand times; p50 and p99 of the latency.
-2. Registration: 1024 simulated workers (threads spread over a few processes) each add a registry entry and
-   start a heartbeat at once; wall time from the start until the controller sees all of them.
+2. Registration: 1024 simulated workers (threads spread over a few processes) each write their address file
+   (as generation servers announce themselves) and start a heartbeat at once; wall time from the start until
+   the controller sees all of them.
 
 Usage::
 
@@ -28,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `areal_hpc` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_hpc.control import Heartbeat, Mailbox, Registry, dead_workers, fsio, serve  # noqa: E402
+from areal_hpc.control import Heartbeat, Mailbox, RunDir, WorkerServer, dead_workers, fsio  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
 # The repo's git-ignored cache on local disk; /tmp on some hosts is far slower at creating files (~1 ms each).
@@ -41,14 +42,14 @@ def _echo(payload: object) -> object:
 
 
 def _serve_echo(run_dir: str) -> None:
-    serve(run_dir, "echo", {"echo": _echo})
+    WorkerServer(RunDir(Path(run_dir)), "echo", {"echo": _echo}).serve()
 
 
 def bench_round_trip(run_dir: Path, n: int, warmup: int = 100) -> list[float]:
     """Latencies in seconds of ``n`` request -> reply round trips with a worker in another process."""
     worker = SPAWN.Process(target=_serve_echo, args=(str(run_dir),))
     worker.start()
-    box = Mailbox(run_dir)
+    box = Mailbox(RunDir(run_dir).mailboxes)
     try:
         for i in range(warmup):  # also waits for the worker to start
             box.request("echo", "echo", {"i": i}, timeout=60)
@@ -66,13 +67,14 @@ def bench_round_trip(run_dir: Path, n: int, warmup: int = 100) -> list[float]:
 
 
 def _register_workers(run_dir: str, ranks: list[int], stop_file: str) -> None:
-    """One process of simulated workers: a thread per rank adds its registry key and starts a heartbeat."""
+    """One process of simulated workers: a thread per rank writes its address and starts a heartbeat."""
     beats: list[Heartbeat] = []
     lock = threading.Lock()
 
     def register(rank: int) -> None:
-        Registry(run_dir).add(f"workers/{rank}", {"rank": rank, "url": f"http://node:{20000 + rank}"})
-        beat = Heartbeat(run_dir, f"worker{rank}", interval=1.0).start()
+        run = RunDir(Path(run_dir))
+        fsio.write_json(run.gen_address(rank), {"rank": rank, "url": f"http://node:{20000 + rank}"})
+        beat = Heartbeat(run.heartbeats, f"worker{rank}", interval=1.0).start()
         with lock:
             beats.append(beat)
 
@@ -87,29 +89,26 @@ def _register_workers(run_dir: str, ranks: list[int], stop_file: str) -> None:
         beat.stop()
 
 
-def _all_visible(run_dir: Path, registry: Registry, names: list[str]) -> bool:
-    """All workers are in the registry and have a live heartbeat (the cheap count is tested first)."""
+def _all_visible(run: RunDir, names: list[str]) -> bool:
+    """All workers wrote their address and have a live heartbeat (the cheap count is tested first)."""
     n = len(names)
-    if (
-        len(fsio.list_names(run_dir / "registry" / "workers")) < n
-        or len(fsio.list_names(run_dir / "heartbeat")) < n
-    ):
+    if len(fsio.list_names(run.gen_servers)) < n or len(fsio.list_names(run.heartbeats)) < n:
         return False
-    return len(registry.subtree("workers")) == n and not dead_workers(run_dir, names, timeout=30)
+    addresses = [fsio.read_json(run.gen_address(rank)) for rank in range(n)]
+    return all(addresses) and not dead_workers(run.heartbeats, names, timeout=30)
 
 
 def bench_registration(run_dir: Path, n_workers: int, n_procs: int) -> float:
-    """Seconds from launching ``n_workers`` simulated workers until all are in the registry and alive."""
+    """Seconds from launching ``n_workers`` simulated workers until all announced themselves and beat."""
     stop_file = run_dir / "stop-registration"
     ranks = [list(range(p, n_workers, n_procs)) for p in range(n_procs)]
     names = [f"worker{r}" for r in range(n_workers)]
-    registry = Registry(run_dir)
     start = time.perf_counter()
     procs = [SPAWN.Process(target=_register_workers, args=(str(run_dir), r, str(stop_file))) for r in ranks]
     for p in procs:
         p.start()
     try:
-        while not _all_visible(run_dir, registry, names):
+        while not _all_visible(RunDir(run_dir), names):
             if time.perf_counter() - start > 120:
                 raise TimeoutError(f"{n_workers} workers did not all register within 120 s")
             time.sleep(0.01)

@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from areal_hpc.config import load_config  # noqa: E402
+from areal_hpc.control.rundir import RunDir, run_dir_of  # noqa: E402
 from areal_hpc.launch import slurm, submit  # noqa: E402
 from areal_hpc.launch.local import run_local  # noqa: E402
-from areal_hpc.launch.rundir import RunDir, run_dir_of  # noqa: E402
 from areal_hpc.monitor.stats import read_stats  # noqa: E402
 from tools.slurm_local import cluster as slurm_local  # noqa: E402
 

@@ -27,8 +27,8 @@ from areal_hpc.config import load_config  # noqa: E402
 from areal_hpc.control import fsio  # noqa: E402
 from areal_hpc.control.heartbeat import last_beat  # noqa: E402
 from areal_hpc.control.ledger import Ledger  # noqa: E402
+from areal_hpc.control.rundir import run_dir_of  # noqa: E402
 from areal_hpc.launch.local import run_local  # noqa: E402
-from areal_hpc.launch.rundir import run_dir_of  # noqa: E402
 
 TINY = REPO / ".cache" / "tiny"
 
@@ -41,7 +41,7 @@ def killer(run, at: int, times: dict) -> None:
     """SIGKILL the controller after step `at`; note when, and when the next step completes."""
     while step_of(run) < at:
         time.sleep(0.02)
-    os.kill(last_beat(run.root, "controller")["pid"], signal.SIGKILL)
+    os.kill(last_beat(run.heartbeats, "controller")["pid"], signal.SIGKILL)
     times["killed"] = time.monotonic()
     while step_of(run) <= at:  # progress.json is rewritten by the resumed controller's next step
         time.sleep(0.02)
@@ -69,7 +69,7 @@ def main() -> int:
         times: dict[str, float] = {}
         threading.Thread(target=killer, args=(run, ns.kill_at, times), daemon=True).start()
         code = run_local(cfg)
-        records = list(Ledger(run.root).records())
+        records = list(Ledger(run.ledger).records())
         used = Counter((r.epoch, i) for r in records if not r.dropped for i in r.ids)  # once per epoch
         steps = sorted({r.step for r in records})
         ok = code == 0 and steps == list(range(1, ns.steps + 1)) and max(used.values()) == 1

@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO))  # run as a script: make `areal_hpc` importable
 import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from areal_hpc.control.manifest import write_manifest  # noqa: E402
 from areal_hpc.gen.client import GenClient  # noqa: E402
 from areal_hpc.train.models import save_model  # noqa: E402
-from areal_hpc.weights.disk import write_manifest  # noqa: E402
 from areal_hpc.weights.publisher import BroadcastPublisher, DiskPublisher, WeightSyncError  # noqa: E402
 from areal_hpc.weights.sender import WeightSender, plan_payload  # noqa: E402
 

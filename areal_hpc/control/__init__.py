@@ -1,66 +1,72 @@
-"""File-based controller primitives: every role coordinates through the run directory alone.
+"""File-based coordination: every role meets the others through the run directory alone.
 
+rundir     RunDir: every path of a run directory; create_run_dir, run_dir_of, default_trial_name
 fsio       atomic JSON writes (tmp + rename), ESTALE-retrying reads, safe names
 poll       adaptive polling and ControlTimeout, the base of every timeout here
-registry   Registry: key -> JSON value files under registry/, with TTLs and wait()
-mailbox    Mailbox (caller) and Inbox (worker): request/reply files under mailbox/<worker>/
+manifest   the manifest (sizes, sha256) that marks a multi-file folder complete, and its check
+mailbox    Mailbox (caller) and Inbox (worker): request/reply files per worker
 flush      the model worker's request kinds and the pure flush ordering
-worker     WorkerServer / serve: a worker's request loop with blocking requests and hooks
-heartbeat  Heartbeat thread and dead_workers()
+worker     WorkerServer: a worker's request loop with blocking requests and hooks
+heartbeat  Heartbeat thread, last_beat, dead_workers
 status     status.json: RUNNING, COMPLETE, ABORTED (final)
-ledger     Ledger: consumed sample ids per step in ledger.jsonl
+ledger     Ledger: consumed sample ids per step
 """
 
-from areal_hpc.control.flush import BLOCKING, FLUSH, NON_BLOCKING, STOP, FlushStep, flush_plan
+from areal_hpc.control import fsio
 from areal_hpc.control.heartbeat import Heartbeat, dead_workers, last_beat
 from areal_hpc.control.ledger import Ledger, LedgerRecord
 from areal_hpc.control.mailbox import Inbox, Mailbox, RemoteError, ReplyTimeout, Request
-from areal_hpc.control.poll import ControlTimeout
-from areal_hpc.control.registry import KeyExistsError, Registry, RegistryTimeout
+from areal_hpc.control.manifest import (
+    SnapshotError,
+    read_manifest,
+    snapshot_bytes,
+    verify_snapshot,
+    write_manifest,
+)
+from areal_hpc.control.poll import ControlTimeout, poll_until
+from areal_hpc.control.rundir import RunDir, create_run_dir, default_trial_name, run_dir_of
 from areal_hpc.control.status import (
     ABORTED,
     COMPLETE,
     RUNNING,
     Status,
-    StatusError,
     abort,
     complete,
     get_status,
     set_status,
 )
-from areal_hpc.control.worker import WorkerServer, WorkerStopped, serve
+from areal_hpc.control.worker import WorkerServer
 
 __all__ = [
     "ABORTED",
-    "BLOCKING",
     "COMPLETE",
-    "FLUSH",
-    "NON_BLOCKING",
     "RUNNING",
-    "STOP",
     "ControlTimeout",
-    "FlushStep",
     "Heartbeat",
     "Inbox",
-    "KeyExistsError",
     "Ledger",
     "LedgerRecord",
     "Mailbox",
-    "Registry",
-    "RegistryTimeout",
     "RemoteError",
     "ReplyTimeout",
     "Request",
+    "RunDir",
+    "SnapshotError",
     "Status",
-    "StatusError",
     "WorkerServer",
-    "WorkerStopped",
     "abort",
     "complete",
+    "create_run_dir",
     "dead_workers",
-    "flush_plan",
+    "default_trial_name",
+    "fsio",
     "get_status",
     "last_beat",
-    "serve",
+    "poll_until",
+    "read_manifest",
+    "run_dir_of",
     "set_status",
+    "snapshot_bytes",
+    "verify_snapshot",
+    "write_manifest",
 ]

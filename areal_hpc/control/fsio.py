@@ -84,23 +84,6 @@ def write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = False) -> Non
         raise
 
 
-def create_json(path: str | os.PathLike, obj: Any, *, fsync: bool = False) -> bool:
-    """Atomically create ``path`` holding ``obj`` unless it exists; True when this call created it.
-
-    Uses ``link(2)``, which fails when the target exists, even on NFS: of several racing creators exactly one
-    wins and no reader ever sees a partial file.
-    """
-    path = Path(path)
-    tmp = _write_tmp(path, _dumps(obj, path), fsync)
-    try:
-        retry_estale(lambda: os.link(tmp, path), path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        remove(tmp)
-
-
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:
     """The JSON value in ``path``, or ``default`` when the file does not exist (or vanished meanwhile)."""
     path = Path(path)

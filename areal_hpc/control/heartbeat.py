@@ -1,4 +1,5 @@
-"""Heartbeats: each role refreshes ``<run_dir>/heartbeat/<name>.json`` so that others can tell it is alive.
+"""Heartbeats: each role refreshes ``<folder>/<name>.json`` (``RunDir.heartbeats``) so that others can tell it is
+alive.
 
 The file holds ``{"pid": ..., "host": ..., "state": "alive" | "stopped", "started": <unix time>}``, written
 once (tmp + rename); a beat only touches its mtime, one cheap metadata update instead of a new file, so a
@@ -24,19 +25,19 @@ from areal_hpc.control import fsio
 logger = logging.getLogger(__name__)
 
 
-def heartbeat_path(run_dir: str | os.PathLike, name: str) -> Path:
-    """The heartbeat file of role ``name``."""
-    return Path(run_dir) / "heartbeat" / f"{fsio.check_segment(name, 'heartbeat name')}.json"
+def heartbeat_path(folder: str | os.PathLike, name: str) -> Path:
+    """The heartbeat file of role ``name`` in the heartbeat folder."""
+    return Path(folder) / f"{fsio.check_segment(name, 'heartbeat name')}.json"
 
 
 class Heartbeat:
     """A daemon thread beating every ``interval`` seconds. ``start()`` writes the first beat before returning.
 
-    Use as ``with Heartbeat(run_dir, "trainer0"): ...`` or call ``start()`` and ``stop()``.
+    Use as ``with Heartbeat(run.heartbeats, "trainer0"): ...`` or call ``start()`` and ``stop()``.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, name: str, interval: float = 1.0) -> None:
-        self.path = heartbeat_path(run_dir, name)
+    def __init__(self, folder: str | os.PathLike, name: str, interval: float = 1.0) -> None:
+        self.path = heartbeat_path(folder, name)
         self.name = name
         self.interval = interval
         self.started = time.time()
@@ -82,9 +83,9 @@ class Heartbeat:
         self.stop()
 
 
-def last_beat(run_dir: str | os.PathLike, name: str) -> dict | None:
+def last_beat(folder: str | os.PathLike, name: str) -> dict | None:
     """The heartbeat of ``name`` (pid, host, state, started) with ``time`` of the last beat; None if never."""
-    path = heartbeat_path(run_dir, name)
+    path = heartbeat_path(folder, name)
 
     def read() -> dict | None:
         try:
@@ -96,7 +97,7 @@ def last_beat(run_dir: str | os.PathLike, name: str) -> dict | None:
     return fsio.retry_estale(read, path)
 
 
-def dead_workers(run_dir: str | os.PathLike, names: Iterable[str], timeout: float) -> list[str]:
+def dead_workers(folder: str | os.PathLike, names: Iterable[str], timeout: float) -> list[str]:
     """Those of ``names`` whose last beat is older than ``timeout`` seconds or that never beat.
 
     A role that stopped cleanly is not dead.
@@ -104,7 +105,7 @@ def dead_workers(run_dir: str | os.PathLike, names: Iterable[str], timeout: floa
     now = time.time()
     dead = []
     for name in names:
-        beat = last_beat(run_dir, name)
+        beat = last_beat(folder, name)
         if beat is None or (beat.get("state") != "stopped" and now - beat["time"] > timeout):
             dead.append(name)
     return dead

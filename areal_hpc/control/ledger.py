@@ -1,4 +1,4 @@
-"""Ledger of consumed sample ids in ``<run_dir>/ledger.jsonl``, written by the controller alone.
+"""Ledger of consumed sample ids (``RunDir.ledger``), written by the controller alone.
 
 One JSON line per step: ``{"epoch": e, "step": s, "ids": [...], "time": t}``, plus ``"dropped": true`` for
 prompts whose groups the success-rate filter dropped (used up without training). Each line is appended with a
@@ -33,10 +33,10 @@ class LedgerRecord:
 
 
 class Ledger:
-    """Append and read the ledger of one run directory."""
+    """Append and read the ledger file ``path``."""
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
-        self.path = Path(run_dir) / "ledger.jsonl"
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
         self._repaired = False
 
     def record(self, epoch: int, step: int, ids: Iterable[str | int], dropped: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Per-worker request and reply mailboxes under ``<run_dir>/mailbox/<worker>/``.
+"""Per-worker request and reply mailboxes under ``<folder>/<worker>/`` (``RunDir.mailboxes``).
 
 Layout: ``requests/<id>.json`` waits for the worker, ``replies/<id>.json`` waits for the caller. A request id
 is ``<20-digit ns time>-<random hex>``, strictly increasing within a posting process, so sorting the names
@@ -69,8 +69,8 @@ def _hook(entry: str | dict | tuple | list) -> dict:
     raise ValueError(f"hook {entry!r} must be a name, a (name, payload) pair or a dict with 'name'")
 
 
-def _folder(run_dir: Path, worker: str, kind: str) -> Path:
-    return run_dir / "mailbox" / fsio.check_segment(worker, "worker name") / kind
+def _folder(root: Path, worker: str, kind: str) -> Path:
+    return root / fsio.check_segment(worker, "worker name") / kind
 
 
 _stamp_lock = threading.Lock()
@@ -88,8 +88,8 @@ def _new_request_id() -> str:
 class Mailbox:
     """The caller side: post requests to workers and wait for their replies."""
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
-        self.run_dir = Path(run_dir)
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.root = Path(folder)
         self._types: dict[str, str] = {}  # request id -> type, for messages
 
     def post(
@@ -113,7 +113,7 @@ class Mailbox:
             "group_size": int(group_size),
             "posted_at": time.time(),
         }
-        fsio.write_json(_folder(self.run_dir, worker, "requests") / f"{request_id}.json", message)
+        fsio.write_json(_folder(self.root, worker, "requests") / f"{request_id}.json", message)
         self._types[request_id] = type
         return request_id
 
@@ -122,9 +122,7 @@ class Mailbox:
 
         Raises RemoteError if the worker's handler failed, ReplyTimeout if no reply came within ``timeout`` s.
         """
-        path = (
-            _folder(self.run_dir, worker, "replies") / f"{fsio.check_segment(request_id, 'request id')}.json"
-        )
+        path = _folder(self.root, worker, "replies") / f"{fsio.check_segment(request_id, 'request id')}.json"
         request_type = self._types.get(request_id, "?")
         try:
             reply = poll_until(
@@ -142,7 +140,7 @@ class Mailbox:
         return reply.get("result")
 
     def _where(self, worker: str, request_id: str) -> str:
-        queued = (_folder(self.run_dir, worker, "requests") / f"{request_id}.json").exists()
+        queued = (_folder(self.root, worker, "requests") / f"{request_id}.json").exists()
         return "the request is still in its inbox (not taken)" if queued else "the worker took the request"
 
     def request(self, worker: str, type: str, payload: Any = None, *, timeout: float, **options: Any) -> Any:
@@ -153,10 +151,10 @@ class Mailbox:
 class Inbox:
     """The worker side: take new requests, send replies."""
 
-    def __init__(self, run_dir: str | os.PathLike, worker: str) -> None:
+    def __init__(self, folder: str | os.PathLike, worker: str) -> None:
         self.worker = worker
-        self.requests = _folder(Path(run_dir), worker, "requests")
-        self.replies = _folder(Path(run_dir), worker, "replies")
+        self.requests = _folder(Path(folder), worker, "requests")
+        self.replies = _folder(Path(folder), worker, "replies")
         self.requests.mkdir(parents=True, exist_ok=True)
         self.replies.mkdir(parents=True, exist_ok=True)
 

@@ -1,19 +1,19 @@
-"""Experiment status in ``<run_dir>/status.json``: RUNNING, then COMPLETE or ABORTED, which are final.
+"""Experiment status (``RunDir.status``): RUNNING, then COMPLETE or ABORTED, which are final.
 
 ``{"state": ..., "reason": ..., "role": ..., "time": <unix time>, "host": ...}``. Leaving a final state needs
-``reset=True`` (recovery). ``complete`` also writes the FINISHED marker. ``abort`` keeps the first cause when several roles fail one after another. The
-check and the write are not one atomic step; the controller is the usual writer and other roles only abort.
+``reset=True`` (recovery). ``complete`` also writes the FINISHED marker (``RunDir.finished``). ``abort`` keeps
+the first cause when several roles fail one after another. The check and the write are not one atomic step;
+the controller is the usual writer and other roles only abort.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from areal_hpc.control import fsio
+from areal_hpc.control.rundir import RunDir
 
 RUNNING = "RUNNING"
 COMPLETE = "COMPLETE"
@@ -42,51 +42,39 @@ class Status:
         return self.state in FINAL_STATES
 
 
-def status_path(run_dir: str | os.PathLike) -> Path:
-    """The status file of a run."""
-    return Path(run_dir) / "status.json"
-
-
-def get_status(run_dir: str | os.PathLike) -> Status | None:
+def get_status(run: RunDir) -> Status | None:
     """The current status, or None before anything was written."""
-    data = fsio.read_json(status_path(run_dir))
+    data = fsio.read_json(run.status)
     if data is None:
         return None
     return Status(**{k: v for k, v in data.items() if k in Status.__dataclass_fields__})
 
 
-def set_status(
-    run_dir: str | os.PathLike, state: str, *, reason: str = "", role: str = "", reset: bool = False
-) -> Status:
+def set_status(run: RunDir, state: str, *, reason: str = "", role: str = "", reset: bool = False) -> Status:
     """Write ``state``; raises StatusError when the run is already COMPLETE or ABORTED, unless ``reset``."""
     if state not in STATES:
         raise StatusError(f"unknown experiment state {state!r}; use one of {', '.join(STATES)}")
-    current = get_status(run_dir)
+    current = get_status(run)
     if current is not None and current.final and not reset:
         raise StatusError(
-            f"{status_path(run_dir)}: cannot set {state}: the run is already {current.state} "
+            f"{run.status}: cannot set {state}: the run is already {current.state} "
             f"(by {current.role or '?'}: {current.reason or 'no reason'}); pass reset=True to recover"
         )
     new = Status(state, reason, role, time.time(), socket.gethostname())
-    fsio.write_json(status_path(run_dir), asdict(new), fsync=True)
+    fsio.write_json(run.status, asdict(new), fsync=True)
     return new
 
 
-def abort(run_dir: str | os.PathLike, reason: str, role: str) -> Status:
+def abort(run: RunDir, reason: str, role: str) -> Status:
     """Mark the run ABORTED by ``role`` for ``reason``; if it is already final, keep that and return it."""
-    current = get_status(run_dir)
+    current = get_status(run)
     if current is not None and current.final:
         return current
-    return set_status(run_dir, ABORTED, reason=reason, role=role)
+    return set_status(run, ABORTED, reason=reason, role=role)
 
 
-def finished_path(run_dir: str | os.PathLike) -> Path:
-    """The FINISHED marker: present once the run completed (job scripts test it; a finished run never requeues)."""
-    return Path(run_dir) / "FINISHED"
-
-
-def complete(run_dir: str | os.PathLike, role: str, reason: str = "finished") -> Status:
+def complete(run: RunDir, role: str, reason: str = "finished") -> Status:
     """Mark the run COMPLETE and write FINISHED; raises StatusError if it was already final."""
-    status = set_status(run_dir, COMPLETE, reason=reason, role=role)
-    fsio.write_json(finished_path(run_dir), asdict(status), fsync=True)
+    status = set_status(run, COMPLETE, reason=reason, role=role)
+    fsio.write_json(run.finished, asdict(status), fsync=True)
     return status

@@ -1,7 +1,7 @@
 """WorkerServer: the request loop of a worker, with the original's blocking/flush semantics.
 
     handlers = {"spec": lambda p: {"n": 100}, "train_step": model.train_step}
-    WorkerServer(run_dir, "trainer0", handlers, hooks={"save": save}).serve()
+    WorkerServer(run, "trainer0", handlers, hooks={"save": save}).serve()
 
 Handlers map a request type to ``fn(payload) -> JSON result``; hooks map a hook name to ``fn(payload)``
 (the hook's own payload if the request gave one, else the request's). Either may be a dict or an object
@@ -14,16 +14,15 @@ an error, and the heartbeat is marked stopped.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from areal_hpc.control.flush import BLOCKING, FLUSH, STOP, flush_plan
 from areal_hpc.control.heartbeat import Heartbeat
 from areal_hpc.control.mailbox import Inbox, Request
 from areal_hpc.control.poll import Backoff
+from areal_hpc.control.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +39,11 @@ def _lookup(table: Mapping[str, Callable] | object, name: str) -> Callable | Non
 
 
 class WorkerServer:
-    """Serve the mailbox of worker ``name`` in ``run_dir`` until stopped."""
+    """Serve the mailbox of worker ``name`` of run ``run`` until stopped."""
 
     def __init__(
         self,
-        run_dir: str | os.PathLike,
+        run: RunDir,
         name: str,
         handlers: Mapping[str, Callable] | object,
         hooks: Mapping[str, Callable] | object | None = None,
@@ -53,13 +52,12 @@ class WorkerServer:
         heartbeat_interval: float = 1.0,
         stop_event: threading.Event | None = None,
     ) -> None:
-        self.run_dir = Path(run_dir)
         self.name = name
         self.handlers = handlers
         self.hooks = handlers if hooks is None else hooks
         self.blocking = BLOCKING | frozenset(blocking)
-        self.inbox = Inbox(run_dir, name)
-        self.heartbeat = Heartbeat(run_dir, name, heartbeat_interval)
+        self.inbox = Inbox(run.mailboxes, name)
+        self.heartbeat = Heartbeat(run.heartbeats, name, heartbeat_interval)
         self.stop_event = stop_event or threading.Event()
         self.queue: list[Request] = []  # blocking requests waiting for a flush
 
@@ -150,11 +148,11 @@ class WorkerServer:
 
 
 def serve(
-    run_dir: str | os.PathLike,
+    run: RunDir,
     name: str,
     handlers: Mapping[str, Callable] | object,
     hooks: Mapping[str, Callable] | object | None = None,
     **options: Any,
 ) -> None:
     """Build a WorkerServer and serve until stopped; ``options`` are WorkerServer's keywords."""
-    WorkerServer(run_dir, name, handlers, hooks, **options).serve()
+    WorkerServer(run, name, handlers, hooks, **options).serve()

@@ -1,6 +1,6 @@
 """The rollout store: finished groups from the rollout side, waiting to be trained on, as HDF5 files.
 
-One file per group in ``<run_dir>/rollouts/``, written tmp + rename by `data.batch.write_batch`, named
+One file per group in the store's folder (``RunDir.rollouts``), written tmp + rename by `data.batch.write_batch`, named
 ``<birth time in ms>-w<worker>-<sequence>.h5`` (birth: when the rollout started) so that name order is age
 order: the trainer side takes the oldest finished groups first. A file is removed only after the step that
 trained on it ended, so nothing is lost in a crash. A group the success-rate filter dropped leaves a small
@@ -19,14 +19,14 @@ from areal_hpc.data.batch import write_batch
 
 
 class RolloutStore:
-    def __init__(self, run_dir: str | os.PathLike):
-        self.root = Path(run_dir) / "rollouts"
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
 
     def put(
         self, worker: int, sequence: int, birth: float, arrays: Mapping[str, Any], attrs: Mapping[str, Any]
     ) -> Path:
         """Store one finished group born (its rollout started) at unix time `birth`; returns the file."""
-        self.root.mkdir(exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         return write_batch(self.root / f"{_name(worker, sequence, birth)}.h5", arrays, attrs)
 
     def put_dropped(self, worker: int, sequence: int, birth: float, query_id: str, epoch: int) -> Path:

@@ -4,7 +4,7 @@ Routes (JSON bodies; every route but ``/health`` needs ``Authorization: Bearer <
 
     POST /generate                  SGLang's generate (input_ids or text, sampling_params, return_logprob, rid)
     POST /update_weights_from_disk  {"model_path", "abort_all_requests", "weight_version"}; the folder must
-                                    hold a valid manifest.json (areal_hpc.weights.disk), else 400
+                                    hold a valid manifest.json (areal_hpc.control.manifest), else 400
     POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
                                     "group_name", "backend", "timeout_secs" (ours; SGLang has none)}
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",

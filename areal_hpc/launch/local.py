@@ -20,9 +20,9 @@ from typing import TextIO
 
 from areal_hpc import alloc
 from areal_hpc.config import ExperimentConfig
+from areal_hpc.control.rundir import RunDir, create_run_dir
 from areal_hpc.control.status import ABORTED, COMPLETE, abort, get_status
 from areal_hpc.launch.roles import LAUNCHER_ENV
-from areal_hpc.launch.rundir import RunDir, create_run_dir
 from areal_hpc.monitor.progress import Progress
 from areal_hpc.recover.attempt import ATTEMPT_ENV, begin_attempt
 
@@ -119,7 +119,7 @@ def supervise(roles: list[Role], run: RunDir, attempt: int, progress: Progress) 
     controller = next(r for r in roles if r.name == "controller")
     while True:
         progress.update()
-        status = get_status(run.root)
+        status = get_status(run)
         logs = run.attempt_logs(attempt)
         if status is not None and status.state == ABORTED:
             return 1, failure_message(logs, status.role, f"{status.role} aborted the run: {status.reason}")
@@ -175,7 +175,7 @@ def run_attempt(cfg: ExperimentConfig, run: RunDir, out: TextIO) -> tuple[int, s
     except KeyboardInterrupt:
         code, message = 130, "interrupted (Ctrl-C)"
     if code != 0:
-        abort(run.root, message.splitlines()[0], "launcher")  # keeps the first cause if a role set one
+        abort(run, message.splitlines()[0], "launcher")  # keeps the first cause if a role set one
     stop(roles)
     progress.finish()
     return code, message

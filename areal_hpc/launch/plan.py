@@ -17,6 +17,7 @@ from pathlib import Path
 
 from areal_hpc import alloc
 from areal_hpc.config import ExperimentConfig
+from areal_hpc.control.rundir import RunDir
 
 SINGLE_ROLES = ("controller", "rollout")  # one process per run: logs without a task number
 
@@ -74,7 +75,7 @@ class Job:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    run_dir: Path
+    run: RunDir
     workdir: Path  # where relative paths of the config resolve, as for `areal-hpc run`: the submitting cwd
     jobs: tuple[Job, ...]
     python: str
@@ -89,8 +90,8 @@ class LaunchPlan:
         return "hetjob" if len(self.jobs[0].components) > 1 else "single"
 
 
-def launch_plan(cfg: ExperimentConfig, run_dir: Path, workdir: Path | None = None) -> LaunchPlan:
-    """The jobs that run `cfg` in `run_dir`; raises PlanError when the allocation cannot be laid out."""
+def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None) -> LaunchPlan:
+    """The jobs that run `cfg` in `run`; raises PlanError when the allocation cannot be laid out."""
     if cfg.allocation_mode.split(".", 1)[0] not in alloc.GEN_BACKENDS or "+" not in cfg.allocation_mode:
         raise PlanError(
             f"allocation_mode: {cfg.allocation_mode!r} is colocated; a Slurm run needs a decoupled mode "
@@ -138,7 +139,7 @@ def launch_plan(cfg: ExperimentConfig, run_dir: Path, workdir: Path | None = Non
         else:
             jobs = (Job(f"{name}_gen", (gen,)), Job(f"{name}_train", (train,)))
     return LaunchPlan(
-        run_dir=run_dir,
+        run=run,
         workdir=workdir or Path.cwd(),
         jobs=jobs,
         python=slurm.python or sys.executable,

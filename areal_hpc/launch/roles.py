@@ -23,8 +23,8 @@ from pathlib import Path
 from areal_hpc.control import fsio
 from areal_hpc.control.heartbeat import Heartbeat, last_beat
 from areal_hpc.control.poll import poll_until
-from areal_hpc.control.status import ABORTED, RUNNING, abort, complete, finished_path, get_status, set_status
-from areal_hpc.launch.rundir import RunDir
+from areal_hpc.control.rundir import RunDir
+from areal_hpc.control.status import ABORTED, RUNNING, abort, complete, get_status, set_status
 from areal_hpc.recover.attempt import current_attempt
 from areal_hpc.recover.signals import EXIT_PREEMPTED, Preempted, outlive_term
 
@@ -87,7 +87,7 @@ def run_controller(run: RunDir) -> None:
 
     cfg = run.load_config()
     attempt = current_attempt()
-    set_status(run.root, RUNNING, role="controller", reset=attempt > 0)
+    set_status(run, RUNNING, role="controller", reset=attempt > 0)
     resume_from = recover_point(cfg, run, attempt)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     ds = cfg.dataset
@@ -101,7 +101,7 @@ def run_controller(run: RunDir) -> None:
         cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     )
     clients = gen_clients(run, allocation)
-    trainers = TrainerGroup(run.root, allocation.n_train_gpus)
+    trainers = TrainerGroup(run, allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
     graph = build_graph(cfg, trainer_only=True)
     with MathVerifier(n_workers=1) as verifier:
@@ -112,7 +112,7 @@ def run_controller(run: RunDir) -> None:
             master.run(resume_from, attempt)
             # Complete before the trainers stop: under Slurm a step that ends before the run is marked
             # finished ends the job as failed.
-            complete(run.root, "controller")
+            complete(run, "controller")
         finally:
             trainers.stop()
 
@@ -122,7 +122,7 @@ def recover_point(cfg, run: RunDir, attempt: int):
     from areal_hpc.recover.checkpoint import Checkpoints
     from areal_hpc.recover.state import resumes
 
-    ckpts = Checkpoints(run.root, cfg.recover_keep)
+    ckpts = Checkpoints(run.recover, cfg.recover_keep)
     latest = ckpts.latest() if cfg.recover_mode != "disabled" else None
     if resumes(cfg.recover_mode, attempt, latest is not None, str(ckpts.root)):
         logging.info("attempt %d resumes from recover checkpoint %s", attempt, latest)
@@ -173,8 +173,8 @@ def run_rollout(run: RunDir) -> None:
     ).total_steps
     max_concurrent = cfg.max_concurrent_rollouts or ds.train_bs_n_seqs
     point = wait_start_point(run, current_attempt())
-    store = RolloutStore(run.root)
-    done, n_stored = used_prompts(Ledger(run.root), store)
+    store = RolloutStore(run.rollouts)
+    done, n_stored = used_prompts(Ledger(run.ledger), store)
     # Resumed staleness counters: every group trained on or waiting in the store was accepted.
     state = ManagerState(point["version"], accepted=point["global_step"] * ds.train_bs_n_seqs + n_stored)
     manager = GenerationManager(
@@ -256,12 +256,12 @@ class RunEndedError(RuntimeError):
 
 def why_stop(run: RunDir, waited: float, dead_secs: float = CONTROLLER_DEAD_SECS) -> str | None:
     """None while the run goes on; "" once it finished; else why a server should give up on it."""
-    if finished_path(run.root).exists():
+    if run.finished.exists():
         return ""
-    status = get_status(run.root)
+    status = get_status(run)
     if status is not None and status.state == ABORTED:
         return f"the run was aborted by {status.role or '?'}: {status.reason}"
-    beat = last_beat(run.root, "controller")
+    beat = last_beat(run.heartbeats, "controller")
     if beat is None:
         return (
             f"no controller started within {START_TIMEOUT_SECS:.0f} s"
@@ -311,7 +311,7 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
     signal.signal(signal.SIGUSR2, lambda *_: logging.warning("USR2: preemption or time limit notice"))
     # The controller beats for servers in a job of their own, the rollout role for the controller; a failure is recorded (abort) before its
     # heartbeat says "stopped", so that servers report the failure's cause, not the stop.
-    with Heartbeat(run.root, name) if role in ("controller", "rollout") else contextlib.nullcontext():
+    with Heartbeat(run.heartbeats, name) if role in ("controller", "rollout") else contextlib.nullcontext():
         try:
             if role == "controller":
                 run_controller(run)
@@ -325,11 +325,11 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
             raise
         except Preempted as exc:  # no failure: the next attempt resumes from the checkpoint just written
             logging.warning("Preempted: %s", exc)
-            abort(run.root, f"Preempted: {exc}", name)
+            abort(run, f"Preempted: {exc}", name)
             return EXIT_PREEMPTED
         except BaseException as exc:
             logging.error("%s failed:\n%s", name, traceback.format_exc())
-            abort(run.root, f"{type(exc).__name__}: {exc}", name)
+            abort(run, f"{type(exc).__name__}: {exc}", name)
             return 1
     return 0
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TextIO
 
 from areal_hpc.control import fsio
+from areal_hpc.control.rundir import RunDir
 from areal_hpc.control.status import get_status
 from areal_hpc.launch import slurm
-from areal_hpc.launch.rundir import RunDir
 from areal_hpc.monitor.progress import progress_line
 from areal_hpc.recover.checkpoint import Checkpoints
 
@@ -39,7 +39,7 @@ def list_runs(fileroot: str = DEFAULT_FILEROOT) -> list[RunDir]:
 
 def recorded_jobs(run: RunDir) -> list[dict]:
     """Every Slurm job recorded for the run, oldest submission first ([] for a local run)."""
-    record = fsio.read_json(run.root / "slurm" / "jobs.json")
+    record = fsio.read_json(run.jobs)
     return record["jobs"] if record else []
 
 
@@ -64,7 +64,7 @@ def status_lines(run: RunDir) -> list[str]:
             lines.append(f"  slurm job {component_id} ({name}): {state}")
         if not states:
             lines.append(f"  slurm job {job['job_id']}: not known to sacct yet")
-    status = get_status(run.root)
+    status = get_status(run)
     if status is None:
         lines.append("  run: not started")
     else:
@@ -79,7 +79,7 @@ def status_lines(run: RunDir) -> list[str]:
 
 def recover_line(run: RunDir) -> str:
     """The newest recover checkpoint (by name: checking its files is the resuming controller's job)."""
-    ckpts = Checkpoints(run.root)
+    ckpts = Checkpoints(run.recover)
     steps = ckpts.steps()
     if not steps:
         return "recover checkpoint: none yet"

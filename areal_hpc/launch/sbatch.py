@@ -56,9 +56,10 @@ def render(plan: LaunchPlan, job: Job, cfg: ExperimentConfig, version: str, atte
             job=job,
             kind=plan.kind,
             version=version,
-            run_dir=plan.run_dir,
+            run=plan.run,
+            # A path of the run directory as the script names it: "$AREAL_RUN_DIR/...".
+            in_run=lambda path: f'"$AREAL_RUN_DIR/{Path(path).relative_to(plan.run.root)}"',
             workdir=plan.workdir,
-            slurm_dir=plan.run_dir / "slurm",
             slurm=asdict(cfg.cluster.slurm),
             setup_commands=plan.setup_commands,
             command_prefix=prefix + " " if prefix else "",

@@ -19,10 +19,9 @@ from typing import NoReturn
 
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import fsio
-from areal_hpc.control.status import finished_path
+from areal_hpc.control.rundir import RunDir, create_run_dir, default_trial_name, run_dir_of
 from areal_hpc.launch import slurm
 from areal_hpc.launch.plan import LaunchPlan, PlanError, launch_plan
-from areal_hpc.launch.rundir import RunDir, create_run_dir, default_trial_name, run_dir_of
 from areal_hpc.launch.sbatch import code_version, render
 from areal_hpc.recover.attempt import begin_attempt, next_attempt
 from areal_hpc.recover.checkpoint import Checkpoints
@@ -49,7 +48,7 @@ def prepare(cfg: ExperimentConfig) -> Submission:
     run = run_dir_of(cfg)
     if run.root.exists():
         raise PlanError(f"trial_name: run directory {run.root} already exists; choose another trial_name")
-    plan = launch_plan(cfg, run.root)
+    plan = launch_plan(cfg, run)
     version = code_version()
     return Submission(cfg, run, plan, tuple(render(plan, job, cfg, version) for job in plan.jobs))
 
@@ -61,10 +60,10 @@ def prepare_recover(run: RunDir) -> Submission:
     disabled, or must resume (recover_mode resume) but holds no valid recover checkpoint.
     """
     cfg = run.load_config()
-    record = fsio.read_json(jobs_path(run))
+    record = fsio.read_json(run.jobs)
     check_recoverable(run, cfg, record)
     # The original submission's working directory: relative paths of the config resolve there.
-    plan = launch_plan(cfg, run.root, workdir=Path(record.get("workdir") or Path.cwd()))
+    plan = launch_plan(cfg, run, workdir=Path(record.get("workdir") or Path.cwd()))
     attempt = next_attempt(run)
     version = code_version()
     scripts = tuple(render(plan, job, cfg, version, attempt) for job in plan.jobs)
@@ -77,15 +76,15 @@ def check_recoverable(run: RunDir, cfg: ExperimentConfig, record: dict | None) -
     def refuse(why: str) -> NoReturn:
         raise RecoverRefused(f"cannot recover {run.root}: {why}")
 
-    if finished_path(run.root).exists():
-        refuse(f"it finished ({finished_path(run.root).name} exists); there is nothing to resume")
+    if run.finished.exists():
+        refuse(f"it finished ({run.finished.name} exists); there is nothing to resume")
     if not record:
-        refuse(f"it was not submitted to Slurm (no {jobs_path(run)}); `areal-hpc run` restarts local runs")
+        refuse(f"it was not submitted to Slurm (no {run.jobs}); `areal-hpc run` restarts local runs")
     for component, state in live_components(record["jobs"]).items():  # the first one is enough
         refuse(f"its Slurm job {component} has not ended ({state}); stop it first: areal-hpc stop {run.root}")
     if cfg.recover_mode == "disabled":
         refuse("recover_mode is disabled in its config.yaml (no recover checkpoints); start a new trial")
-    ckpts = Checkpoints(run.root)
+    ckpts = Checkpoints(run.recover)
     try:
         resumes(cfg.recover_mode, next_attempt(run), ckpts.latest() is not None, str(ckpts.root))
     except RecoverError as exc:
@@ -142,7 +141,7 @@ def submit(sub: Submission) -> list[str]:
         job_ids = submit_jobs(sub)
     else:
         run = create_run_dir(sub.cfg)
-        (run.root / "slurm").mkdir(mode=0o700)
+        run.slurm.mkdir(mode=0o700)
         try:
             begin_two_jobs_attempt(sub)
             job_ids = submit_jobs(sub)
@@ -166,7 +165,7 @@ def begin_two_jobs_attempt(sub: Submission) -> None:
 
 def submit_jobs(sub: Submission) -> list[str]:
     """Write and submit the scripts in order; if one is refused, cancel those submitted before it."""
-    folder = sub.run.root / "slurm"
+    folder = sub.run.slurm
     job_ids: list[str] = []
     try:
         for job, text in zip(sub.plan.jobs, sub.scripts, strict=True):
@@ -181,7 +180,7 @@ def submit_jobs(sub: Submission) -> list[str]:
 
 def record(sub: Submission, job_ids: list[str]) -> None:
     """Add the submitted jobs to `slurm/jobs.json`, after those of earlier submissions of the run."""
-    old = fsio.read_json(jobs_path(sub.run)) or {"jobs": []}
+    old = fsio.read_json(sub.run.jobs) or {"jobs": []}
     submission = 1 + max((j.get("submission", 0) for j in old["jobs"]), default=-1)
     now = time.time()
     new = [
@@ -195,9 +194,4 @@ def record(sub: Submission, job_ids: list[str]) -> None:
         "submitted": old.get("submitted", now),
         "jobs": old["jobs"] + new,
     }
-    fsio.write_json(jobs_path(sub.run), rec, fsync=True)
-
-
-def jobs_path(run: RunDir) -> Path:
-    """Where a submitted run records its Slurm jobs."""
-    return run.root / "slurm" / "jobs.json"
+    fsio.write_json(sub.run.jobs, rec, fsync=True)

@@ -18,13 +18,13 @@ from areal_hpc.config.schema import ExperimentConfig
 from areal_hpc.control import fsio
 from areal_hpc.control.heartbeat import dead_workers
 from areal_hpc.control.ledger import Ledger
+from areal_hpc.control.rundir import RunDir
 from areal_hpc.data.batch import read_attrs, read_batch, read_keys, write_batch
 from areal_hpc.data.dataset import PromptDataset, ShardedSampler
 from areal_hpc.data.sft import sft_arrays
 from areal_hpc.data.store import RolloutStore
 from areal_hpc.eval.heldout import greedy_accuracy
 from areal_hpc.gen.rollout import rollout_step
-from areal_hpc.launch.rundir import RunDir
 from areal_hpc.master.buffer import Buffer, SampleMeta
 from areal_hpc.master.dispatch import refs_payload, split_by_rank
 from areal_hpc.master.freq import FrequencyControl
@@ -124,8 +124,8 @@ class Master:
         self.dataset, self.heldout = data
         self.trainers, self.clients, self.verifier, self.tokenizer = trainers, clients, verifier, tokenizer
         self.buffer = Buffer(graph)
-        self.store = RolloutStore(run.root)
-        self.ledger = Ledger(run.root)
+        self.store = RolloutStore(run.rollouts)
+        self.ledger = Ledger(run.ledger)
         self.eval_history: list[tuple[int, float]] = []
         self.sampler = ShardedSampler(len(self.dataset), 0, 1, cfg.seed, cfg.dataset.train_bs_n_seqs)
         self.counter = make_counter(cfg, self.sampler)
@@ -133,7 +133,7 @@ class Master:
         self.save_ctl = FrequencyControl(ctrl.save_freq_epochs, ctrl.save_freq_steps, ctrl.save_freq_secs)
         self.eval_ctl = FrequencyControl(ctrl.eval_freq_epochs, ctrl.eval_freq_steps, ctrl.eval_freq_secs)
         self.ckpt_ctl = FrequencyControl(ctrl.ckpt_freq_epochs, ctrl.ckpt_freq_steps, ctrl.ckpt_freq_secs)
-        self.ckpts = Checkpoints(run.root, cfg.recover_keep)
+        self.ckpts = Checkpoints(run.recover, cfg.recover_keep)
         self.notice = PreemptNotice()  # the role installs it as the signal handler
         self.updating = False  # a trainer update of the running step has begun
         self.sampler_mark = self.sampler.state_dict()  # as the last finished step left it
@@ -329,7 +329,7 @@ class Master:
         while (paths := self.store.oldest(n)) is None:
             if self.notice.urgent:
                 raise Interrupted("SIGTERM while waiting for rollouts")
-            if dead_workers(self.rundir.root, ["rollout"], ROLLOUT_DEAD_SECS):
+            if dead_workers(self.rundir.heartbeats, ["rollout"], ROLLOUT_DEAD_SECS):
                 raise RuntimeError(f"the rollout role stopped (no heartbeat for {ROLLOUT_DEAD_SECS:.0f} s)")
             time.sleep(STORE_POLL_SECS)
         return paths

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from areal_hpc.control.heartbeat import dead_workers
 from areal_hpc.control.mailbox import Mailbox, ReplyTimeout
+from areal_hpc.control.rundir import RunDir
 
 
 class WorkerDied(RuntimeError):
@@ -21,10 +21,10 @@ def trainer_name(rank: int) -> str:
 class TrainerGroup:
     """Posts one request per rank (then a flush, which runs blocking requests) and waits for every reply."""
 
-    def __init__(self, run_dir: Path, n_ranks: int, timeout: float = 3600.0, heartbeat_timeout: float = 30.0):
-        self.run_dir, self.n_ranks = Path(run_dir), n_ranks
+    def __init__(self, run: RunDir, n_ranks: int, timeout: float = 3600.0, heartbeat_timeout: float = 30.0):
+        self.run, self.n_ranks = run, n_ranks
         self.names = [trainer_name(r) for r in range(n_ranks)]
-        self.mailbox = Mailbox(run_dir)
+        self.mailbox = Mailbox(run.mailboxes)
         self.timeout, self.heartbeat_timeout = timeout, heartbeat_timeout
 
     def call(self, type: str, payloads: list[dict]) -> list[Any]:
@@ -54,7 +54,7 @@ class TrainerGroup:
             try:
                 return self.mailbox.wait_reply(name, request_id, timeout=1.0)
             except ReplyTimeout:
-                dead = dead_workers(self.run_dir, self.names, self.heartbeat_timeout)
+                dead = dead_workers(self.run.heartbeats, self.names, self.heartbeat_timeout)
                 if dead:
                     raise WorkerDied(
                         f"{', '.join(dead)} stopped sending heartbeats for {self.heartbeat_timeout:.0f} s "

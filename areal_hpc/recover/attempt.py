@@ -18,8 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from areal_hpc.control.status import finished_path, status_path
-from areal_hpc.launch.rundir import RunDir
+from areal_hpc.control.rundir import RunDir
 
 ATTEMPT_ENV = "AREAL_ATTEMPT"
 EXIT_FINISHED = 3
@@ -43,14 +42,14 @@ def next_attempt(run: RunDir) -> int:
 
 def begin_attempt(run: RunDir) -> int:
     """Make the next attempt's log folder and clear the last attempt's coordination state; its number."""
-    if finished_path(run.root).exists():
-        raise RunFinishedError(f"{run.root} finished ({finished_path(run.root)} exists); nothing to resume")
+    if run.finished.exists():
+        raise RunFinishedError(f"{run.root} finished ({run.finished} exists); nothing to resume")
     attempt = next_attempt(run)
     run.attempt_logs(attempt).mkdir(parents=True)
-    if attempt > 0 and status_path(run.root).exists():
-        os.replace(status_path(run.root), run.attempt_logs(attempt - 1) / "status.json")
-    for folder in ("heartbeat", "gen_servers", "mailbox"):
-        shutil.rmtree(run.root / folder, ignore_errors=True)
+    if attempt > 0 and run.status.exists():
+        os.replace(run.status, run.attempt_logs(attempt - 1) / run.status.name)
+    for folder in (run.heartbeats, run.gen_servers, run.mailboxes):
+        shutil.rmtree(folder, ignore_errors=True)
     if run.dist_init.exists():
         run.dist_init.unlink()
     return attempt

@@ -1,7 +1,7 @@
-"""Recover checkpoints on shared storage: `<run_dir>/recover/step<global_step>/`, written atomically.
+"""Recover checkpoints on shared storage: `RunDir.recover/step<global_step>/`, written atomically.
 
 A checkpoint is built in a hidden temporary folder (the trainer ranks write their files into it, the
-controller its state), then gets a manifest with the size and sha256 of every file (`weights.disk`, written
+controller its state), then gets a manifest with the size and sha256 of every file (`control.manifest`, written
 last) and is renamed into place: a crash at any point leaves either the whole checkpoint or none under its
 final name. The newest `keep` are kept. On reading, a checkpoint whose manifest is missing or whose files do
 not match it is skipped with a warning that names the bad file, and the one before it is used.
@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from areal_hpc.weights.disk import SnapshotError, verify_snapshot, write_manifest
+from areal_hpc.control.manifest import SnapshotError, verify_snapshot, write_manifest
 
 logger = logging.getLogger("recover")
 KIND = "recover"
@@ -23,12 +23,12 @@ _NAME = re.compile(r"^step(\d{8})$")
 
 
 class Checkpoints:
-    """The recover checkpoints of one run directory."""
+    """The recover checkpoints in folder `root` (`RunDir.recover`)."""
 
-    def __init__(self, run_dir: str | os.PathLike, keep: int = 2):
+    def __init__(self, root: str | os.PathLike, keep: int = 2):
         if keep < 1:
             raise ValueError(f"recover_keep must be >= 1, got {keep}")
-        self.root = Path(run_dir) / "recover"
+        self.root = Path(root)
         self.keep = keep
 
     def path(self, step: int) -> Path:

@@ -16,10 +16,9 @@ import shutil
 from pathlib import Path
 
 from areal_hpc.control import fsio
-from areal_hpc.launch.rundir import RunDir
+from areal_hpc.control.rundir import RunDir
 from areal_hpc.recover.checkpoint import Checkpoints
 
-LEDGER, ROLLOUTS = "ledger.jsonl", "rollouts"  # names in the run directory and in a recover checkpoint
 _GLOBAL_STEP = re.compile(r"globalstep(\d+)$")
 _VERSION = re.compile(r"^v(\d+)$")
 
@@ -27,24 +26,24 @@ _VERSION = re.compile(r"^v(\d+)$")
 def rewind(run: RunDir, step: int, version: int, saved: Path | None = None) -> None:
     """Make `run` look as it did right after global step `step` (weight `version`); `saved`: the recover
     checkpoint holding the ledger and rollout store of that moment (None: a fresh start, both empty)."""
-    ledger = run.root / LEDGER
-    if saved is not None and (saved / LEDGER).is_file():
-        shutil.copyfile(saved / LEDGER, ledger)
+    # A recover checkpoint holds copies of the ledger and the store under their names in the run directory.
+    ledger, store = run.ledger, run.rollouts
+    if saved is not None and (saved / ledger.name).is_file():
+        shutil.copyfile(saved / ledger.name, ledger)
     else:
         _keep_lines(ledger, lambda rec: rec["step"] <= step)
     _keep_lines(run.stats, lambda row: row["step"] <= step)
-    shutil.rmtree(run.root / "data", ignore_errors=True)
-    for ckpt in (run.root / "checkpoints").glob("*/*"):
+    shutil.rmtree(run.data, ignore_errors=True)
+    for ckpt in run.checkpoints.glob("*/*"):
         if (m := _GLOBAL_STEP.search(ckpt.name)) and int(m.group(1)) > step:
             shutil.rmtree(ckpt)
-    for snapshot in (run.root / "weights").glob("v*"):
+    for snapshot in run.weights.glob("v*"):
         if (m := _VERSION.match(snapshot.name)) and int(m.group(1)) > version:
             shutil.rmtree(snapshot)
-    Checkpoints(run.root).remove_after(step)
-    store = run.root / ROLLOUTS
+    Checkpoints(run.recover).remove_after(step)
     shutil.rmtree(store, ignore_errors=True)
-    if saved is not None and (saved / ROLLOUTS).is_dir():
-        _link_tree(saved / ROLLOUTS, store)
+    if saved is not None and (saved / store.name).is_dir():
+        _link_tree(saved / store.name, store)
     if run.published_version.exists() or version:
         fsio.write_json(run.published_version, {"version": version}, fsync=True)
 
@@ -73,10 +72,10 @@ def save_into(run: RunDir, ckpt: Path) -> None:
 
     The store's files are hard links (a copy where links are not allowed): cheap, and the store may remove
     its own names later without touching the checkpoint's."""
-    if (run.root / LEDGER).is_file():
-        shutil.copyfile(run.root / LEDGER, ckpt / LEDGER)
-    if (run.root / ROLLOUTS).is_dir():
-        _link_tree(run.root / ROLLOUTS, ckpt / ROLLOUTS)
+    if run.ledger.is_file():
+        shutil.copyfile(run.ledger, ckpt / run.ledger.name)
+    if run.rollouts.is_dir():
+        _link_tree(run.rollouts, ckpt / run.rollouts.name)
 
 
 def _link_tree(src: Path, dst: Path) -> None:

@@ -23,11 +23,11 @@ import torch
 
 from areal_hpc.algo.packing import align_next_token
 from areal_hpc.config.schema import MicroBatchSpec, ModelConfig, OptimizerConfig
+from areal_hpc.control.manifest import write_manifest
 from areal_hpc.data.batch import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
 from areal_hpc.train.models import DTYPES, copy_tokenizer, enable_checkpointing, load_model, save_model
-from areal_hpc.weights.disk import write_manifest
 
 logger = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ import torch
 
 from areal_hpc import alloc
 from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.control.rundir import RunDir
 from areal_hpc.control.worker import WorkerServer
 from areal_hpc.data.batch import CU, gather, write_batch
-from areal_hpc.launch.rundir import RunDir
 from areal_hpc.master.trainers import trainer_name
-from areal_hpc.recover.rng import rng_state, set_rng_state
 from areal_hpc.train import dist, interfaces
 from areal_hpc.train.engine import TorchEngine
+from areal_hpc.train.rng import rng_state, set_rng_state
 from areal_hpc.weights.sender import WeightSender, plan_payload
 
 logger = logging.getLogger("trainer")
@@ -169,7 +169,7 @@ def serve_trainer(run: RunDir, rank: int) -> None:
     dist.init_distributed(rank, world_size, run.dist_init)
     handlers = TrainerHandlers(cfg, rank, world_size)
     try:
-        WorkerServer(run.root, trainer_name(rank), handlers).serve()
+        WorkerServer(run, trainer_name(rank), handlers).serve()
     finally:
         handlers.weight_sender.close()
         dist.destroy()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from areal_hpc.weights.disk import read_manifest, snapshot_bytes
+from areal_hpc.control.manifest import read_manifest, snapshot_bytes
 from areal_hpc.weights.receiver import FLATTENED
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
-"""Weight snapshots on shared storage: the manifest that marks a snapshot folder complete, and its check.
+"""The manifest that marks a multi-file folder on shared storage complete (a weight snapshot, an HF or a recover
+checkpoint), and its check.
 
-A snapshot is an HF folder (safetensors, config, tokenizer). Its ``manifest.json`` lists every other file of
-the folder with its size and sha256 and is written LAST (temporary name, then rename): a folder without a
-valid manifest is incomplete or damaged, and loaders refuse it with a message naming the file at fault.
+``manifest.json`` lists every other file of the folder with its size and sha256 and is written LAST (temporary
+name, then rename): a folder without a valid manifest is incomplete or damaged, and readers refuse it with a
+message naming the file at fault.
 """
 
 from __future__ import annotations

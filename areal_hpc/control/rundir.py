@@ -1,0 +1,203 @@
+"""The run directory: every path of one run, named here and nowhere else (layout in docs/architecture.md).
+
+    <fileroot>/<user>/<experiment>/<trial>/   (0700)
+      config.yaml  secret  status.json  FINISHED  progress.json  start.json  version.json  ledger.jsonl
+      heartbeat/<role>.json  mailbox/<worker>/  gen_servers/<i>.json  dist_init
+      data/step<N>/  rollouts/ (+ dropped/)  weights/v<N>/  checkpoints/<role>/<name>/  recover/step<N>/
+      logs/attempt<N>/<role>.log  logs/stats.jsonl  logs/failed_attempts  slurm/ (scripts, jobs.json)
+
+Every stage takes a `RunDir`; creating one is `create_run_dir`'s job (the launchers'), roles only use it.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_hpc.config import ExperimentConfig, dump_yaml, load_config
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    # --- what the launcher writes once ------------------------------------------------------------------
+
+    @property
+    def config(self) -> Path:
+        """The resolved config every role loads."""
+        return self.root / "config.yaml"
+
+    @property
+    def secret(self) -> Path:
+        """The generation servers' bearer token (0600)."""
+        return self.root / "secret"
+
+    @property
+    def slurm(self) -> Path:
+        """sbatch scripts, submitit's job files and the job scripts' own output."""
+        return self.root / "slurm"
+
+    @property
+    def jobs(self) -> Path:
+        """The Slurm jobs of every submission of the run."""
+        return self.slurm / "jobs.json"
+
+    # --- the run's state ----------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> Path:
+        """RUNNING | COMPLETE | ABORTED, who set it and why."""
+        return self.root / "status.json"
+
+    @property
+    def finished(self) -> Path:
+        """Present once the run completed: job scripts test it, and a finished run never starts again."""
+        return self.root / "FINISHED"
+
+    @property
+    def progress(self) -> Path:
+        return self.root / "progress.json"
+
+    @property
+    def start_point(self) -> Path:
+        """{"attempt", "global_step", "version"}: where the current attempt starts, written by the controller
+        once it resumed (or started afresh); the rollout role waits for it."""
+        return self.root / "start.json"
+
+    @property
+    def published_version(self) -> Path:
+        """{"version": N}: the weight version the servers hold, written after each publication."""
+        return self.root / "version.json"
+
+    @property
+    def ledger(self) -> Path:
+        """Consumed sample ids per step."""
+        return self.root / "ledger.jsonl"
+
+    # --- coordination of one attempt (cleared when the next begins) ---------------------------------------
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / "heartbeat"
+
+    @property
+    def mailboxes(self) -> Path:
+        return self.root / "mailbox"
+
+    @property
+    def gen_servers(self) -> Path:
+        return self.root / "gen_servers"
+
+    def gen_address(self, index: int) -> Path:
+        """{"url", ...} of generation server `index`, once it serves."""
+        return self.gen_servers / f"{index}.json"
+
+    @property
+    def dist_init(self) -> Path:
+        """The trainers' torch.distributed rendezvous file."""
+        return self.root / "dist_init"
+
+    # --- data ---------------------------------------------------------------------------------------------
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def step_data(self, step: int) -> Path:
+        """Batch files of one synchronous step, removed when the step ends."""
+        return self.data / f"step{step}"
+
+    @property
+    def rollouts(self) -> Path:
+        """The rollout store of asynchronous RL."""
+        return self.root / "rollouts"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    def weight_snapshot(self, version: int) -> Path:
+        """The HF snapshot of weight version `version` (weight_update_mode disk)."""
+        return self.weights / f"v{version}"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, role: str, epoch: int, epoch_step: int, global_step: int) -> Path:
+        """A persistent HF checkpoint, named as the original names them."""
+        return self.checkpoints / role / f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+    @property
+    def recover(self) -> Path:
+        """Recover checkpoints."""
+        return self.root / "recover"
+
+    # --- logs -----------------------------------------------------------------------------------------------
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def attempt_logs(self, attempt: int | str) -> Path:
+        """Role logs of one attempt (a requeued Slurm job or a restarted local run starts a new one); job
+        scripts give the shell's "$attempt"."""
+        return self.logs / f"attempt{attempt}"
+
+    @property
+    def stats(self) -> Path:
+        return self.logs / "stats.jsonl"
+
+    @property
+    def failed_attempts(self) -> Path:
+        """How many attempts of a Slurm job failed (the job script counts them against recover_retries)."""
+        return self.logs / "failed_attempts"
+
+    # --- reading ------------------------------------------------------------------------------------------
+
+    def load_config(self) -> ExperimentConfig:
+        return load_config([self.config])
+
+    def token(self) -> str:
+        return self.secret.read_text().strip()
+
+
+def default_trial_name(now: float | None = None) -> str:
+    """`run<timestamp>`, the original's default trial name."""
+    return "run" + time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+
+
+def user_root(fileroot: str | os.PathLike) -> Path:
+    """`<fileroot>/<user>`: where a user's runs are (a relative fileroot is relative to the working directory)."""
+    return Path(fileroot).expanduser().resolve() / getpass.getuser()
+
+
+def run_dir_of(cfg: ExperimentConfig) -> RunDir:
+    """<fileroot>/<user>/<experiment>/<trial> of a config whose trial name is set."""
+    if cfg.trial_name is None:
+        raise ValueError("trial_name must be set before the run directory is known")
+    return RunDir(user_root(cfg.cluster.fileroot) / cfg.experiment_name / cfg.trial_name)
+
+
+def create_run_dir(cfg: ExperimentConfig) -> RunDir:
+    """Make the run directory (0700) with the resolved config and a fresh secret token (0600).
+
+    An existing run directory is an error: a trial name names one run (resuming is the recover path).
+    """
+    run = run_dir_of(cfg)
+    if run.root.exists():
+        raise FileExistsError(f"run directory {run.root} already exists; choose another trial_name")
+    run.root.mkdir(parents=True, mode=0o700)
+    run.logs.mkdir(mode=0o700)
+    fd = os.open(run.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    tmp = run.config.with_suffix(".tmp")
+    tmp.write_text(dump_yaml(cfg))
+    tmp.replace(run.config)
+    return run
