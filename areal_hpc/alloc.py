@@ -3,7 +3,7 @@
 Forms (REFERENCE.md section 2):
   colocated  `d4p1m2`, or per MFC `actor_train:d4p1m2,*:d8p1m1`: every MFC on the same GPUs
   decoupled  `sglang.d4p1m1+d2p2m1` (either side of `+`): generation servers first, training the rest
-  manual     `manual`: each MFC names its own device mesh in the config (see `manual_allocation`)
+  manual     `manual`: each MFC names its own device mesh in the config (parsed; not implemented yet)
 
 `parse_allocation_mode` checks the syntax only; `resolve_allocation` places a mode on a cluster of
 n_nodes x n_gpus_per_node GPUs and checks the sizes. GPUs are numbered node-major:
@@ -14,11 +14,10 @@ tensor fastest, so consecutive GPUs are tensor-parallel peers.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-GEN_BACKENDS = ("mock", "sglang", "vllm")
 MFC_NAMES = ("actor_gen", "actor_train", "actor_inf", "ref_inf", "critic_inf", "critic_train", "rew_inf")
 DEFAULT_KEY = "*"  # the per-MFC layout of every MFC not listed
 Kind = Literal["colocated", "decoupled", "manual"]
@@ -141,8 +140,8 @@ def _mode_problem(mode: AllocationMode) -> str | None:
     if mode.kind == "manual":
         return "a manual allocation has no layouts in the string" if mode.train or mode.gen_backend else None
     if mode.kind == "decoupled":
-        if mode.gen_backend not in GEN_BACKENDS:
-            return f"unknown generation backend {mode.gen_backend!r} (valid: {', '.join(GEN_BACKENDS)})"
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", mode.gen_backend or ""):
+            return f"generation backend {mode.gen_backend!r} is not a name (lowercase letters, digits, '_')"
         if mode.gen is None:
             return "a decoupled allocation needs a generation layout"
         if mode.gen.pipeline != 1:
@@ -160,6 +159,10 @@ def _mode_problem(mode: AllocationMode) -> str | None:
         return f"MFC {twice[0]!r} is given twice"
     if mode.kind == "decoupled" and "actor_gen" in keys:
         return f"actor_gen runs on the {mode.gen_backend} servers; it takes no training layout"
+    if "actor_train" not in keys and DEFAULT_KEY not in keys:
+        return (
+            "no layout for actor_train: give actor_train:<3D spec> or '*:<3D spec>' for every MFC not listed"
+        )
     sizes = {key: spec.world_size for key, spec in mode.train}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{key}:{spec.format()} uses {spec.world_size}" for key, spec in mode.train)
@@ -184,7 +187,7 @@ def parse_allocation_mode(text: str) -> AllocationMode:
 
 def _parse_parts(text: str) -> tuple[list[tuple[str, ParallelSpec]], str | None, ParallelSpec | None]:
     if not text:
-        raise AllocationError("empty (expected e.g. 'sglang.d4p1m1+d2p2m1', 'd8p1m1' or 'manual')")
+        raise AllocationError("empty (expected e.g. 'builtin.d4p1m1+d2p2m1', 'd8p1m1' or 'manual')")
     parts = [part.strip() for part in text.split("+")]
     if not all(parts):
         raise AllocationError("empty part before or after '+'")
@@ -200,8 +203,6 @@ def _parse_parts(text: str) -> tuple[list[tuple[str, ParallelSpec]], str | None,
     if not gen_parts:
         return train, None, None
     backend, _, spec = gen_parts[0].partition(".")
-    if backend not in GEN_BACKENDS:
-        raise AllocationError(f"unknown generation backend {backend!r} (valid: {', '.join(GEN_BACKENDS)})")
     return train, backend, _parse_spec(spec)
 
 
@@ -269,14 +270,13 @@ class GenServer:
 
 @dataclass(frozen=True)
 class Allocation:
-    """An allocation mode placed on a cluster. Build it with `resolve_allocation` or `manual_allocation`."""
+    """An allocation mode placed on a cluster. Build it with `resolve_allocation`."""
 
     mode: AllocationMode
     n_nodes: int
     n_gpus_per_node: int
     layouts: tuple[tuple[str, Placement], ...]  # by MFC name or `*`
     gen_layout: Placement | None = None  # the generation servers (decoupled only)
-    node_names: tuple[str, ...] = ()  # known for manual allocations
 
     @property
     def n_gpus(self) -> int:
@@ -350,7 +350,7 @@ def resolve_allocation(mode: AllocationMode | str, n_nodes: int, n_gpus_per_node
         mode = parse_allocation_mode(mode)
     _check_cluster(n_nodes, n_gpus_per_node)
     if mode.kind == "manual":
-        raise _fail(mode.text, "manual meshes come from the config; build it with manual_allocation()")
+        raise _fail(mode.text, "manual meshes are not implemented yet")
     n_gen = mode.gen.world_size if mode.gen else 0
     train_gpus = tuple(range(n_gen, n_gen + mode.train_world_size))  # generation takes the first GPUs
     allocation = Allocation(
@@ -388,107 +388,6 @@ def _cluster_problem(alloc: Allocation) -> str | None:
                 f"nodes {server.node}-{last_node}; a server must fit in one node"
             )
     return None
-
-
-# manual device meshes
-
-
-def parse_device_mesh(text: str, n_gpus_per_node: int) -> list[tuple[str, int]]:
-    """GPUs of a device mesh as (node name, local gpu), in the order written.
-
-    `node[01-02]` or `n[1-3,5]` (Slurm hostlist): every GPU of those nodes; `node01:0,1,2,3` or
-    `node01:0-3`: some GPUs of one node.
-    """
-    try:
-        _check_cluster(1, n_gpus_per_node)
-        stripped = text.strip()
-        if not stripped:
-            raise AllocationError("empty device mesh")
-        if ":" in stripped:
-            node, _, gpus_text = (piece.strip() for piece in stripped.partition(":"))
-            if not node or any(c in node for c in "[],"):
-                raise AllocationError("the 'node:gpus' form names exactly one node before ':'")
-            devices = [(node, int(gpu)) for gpu in _expand_ranges(gpus_text)]
-        else:
-            devices = [(host, gpu) for host in expand_hostlist(stripped) for gpu in range(n_gpus_per_node)]
-        for node, gpu in devices:
-            if gpu >= n_gpus_per_node:
-                raise AllocationError(
-                    f"GPU {gpu} of {node} does not exist on nodes of {n_gpus_per_node} GPUs"
-                )
-        if len(set(devices)) != len(devices):
-            node, gpu = next(d for d in devices if devices.count(d) > 1)
-            raise AllocationError(f"GPU {gpu} of {node} is listed twice")
-    except AllocationError as e:
-        raise AllocationError(f"device mesh {text!r}: {e}") from None
-    return devices
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Expand a Slurm hostlist such as `node[01-03,05],gpu7` into node names, in order."""
-    terms = re.findall(r"(?:[^,\[\]]|\[[^\[\]]*\])+", text)  # split at commas outside brackets
-    if ",".join(terms) != text:  # something was skipped: an empty term or an unbalanced bracket
-        raise AllocationError(f"hostlist {text!r} has an empty name or unbalanced brackets")
-    return [host for term in terms for host in _expand_host(term.strip())]
-
-
-def _expand_host(term: str) -> list[str]:
-    match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", term)
-    if match is None:
-        return [term]
-    prefix, ranges, rest = match.groups()
-    return [prefix + value + tail for value in _expand_ranges(ranges) for tail in _expand_host(rest)]
-
-
-def _expand_ranges(text: str) -> list[str]:
-    """`01-03,7` -> ['01', '02', '03', '7']: zero padding follows the width of the lower bound (Slurm)."""
-    values = []
-    for item in text.split(","):
-        low, dash, high = (piece.strip() for piece in item.partition("-"))
-        high = high if dash else low
-        if not _is_uint(low) or not _is_uint(high):
-            raise AllocationError(f"bad range {item.strip()!r} (expected N or N-M)")
-        if int(high) < int(low):
-            raise AllocationError(f"range {item.strip()!r} runs backwards")
-        values += [str(i).zfill(len(low)) for i in range(int(low), int(high) + 1)]
-    return values
-
-
-def manual_allocation(
-    meshes: Mapping[str, tuple[str, ParallelSpec]], node_names: Sequence[str], n_gpus_per_node: int
-) -> Allocation:
-    """Allocation of `allocation_mode: manual` from {mfc: (device mesh, ParallelSpec)} of the config.
-
-    `node_names` are the job's nodes in order (node index = position). Each mesh must have exactly the
-    GPUs its parallel sizes need, on nodes of the job; a multi-node run must use every GPU of every node.
-    """
-    names = tuple(node_names)
-    _check_cluster(len(names), n_gpus_per_node)
-    if not meshes:
-        raise _fail("manual", "no MFC has a device mesh")
-    if len(set(names)) != len(names):
-        raise _fail("manual", f"the job's node list {list(names)} repeats a name")
-    index_of = {name: i for i, name in enumerate(names)}
-    layouts = []
-    for mfc, (mesh, spec) in sorted(meshes.items()):
-        _check_mfc_name(mfc, "manual")
-        devices = parse_device_mesh(mesh, n_gpus_per_node)
-        strangers = sorted({node for node, _ in devices if node not in index_of})
-        if strangers:
-            raise _fail("manual", f"{mfc} mesh {mesh!r} names nodes {strangers} not in the job {list(names)}")
-        if len(devices) != spec.world_size:
-            problem = (
-                f"{mfc} mesh {mesh!r} has {len(devices)} GPUs, but {spec.format()} needs {spec.world_size}"
-            )
-            raise _fail("manual", problem)
-        gpus = sorted(index_of[node] * n_gpus_per_node + gpu for node, gpu in devices)
-        layouts.append((mfc, Placement(tuple(gpus), spec)))
-    mode = AllocationMode("manual", source="manual")
-    allocation = Allocation(mode, len(names), n_gpus_per_node, tuple(layouts), node_names=names)
-    problem = _cluster_problem(allocation)
-    if problem:
-        raise _fail("manual", problem)
-    return allocation
 
 
 # checks against the model and the batch

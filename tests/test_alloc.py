@@ -1,11 +1,10 @@
-"""allocation_mode: parsing, formatting, placement on a cluster, manual meshes and the model/batch checks."""
+"""allocation_mode: parsing, formatting, placement on a cluster and the model/batch checks."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_hpc.alloc import (
-    GEN_BACKENDS,
     MFC_NAMES,
     AllocationError,
     AllocationMode,
@@ -13,11 +12,8 @@ from areal_hpc.alloc import (
     ParallelSpec,
     check_model_heads,
     check_pipeline_batch,
-    expand_hostlist,
     format_allocation_mode,
-    manual_allocation,
     parse_allocation_mode,
-    parse_device_mesh,
     resolve_allocation,
 )
 
@@ -92,7 +88,7 @@ def test_per_mfc_layouts_without_default_need_every_mfc_listed():
 def test_manual_is_its_own_kind():
     mode = parse_allocation_mode("manual")
     assert mode.kind == "manual" and format_allocation_mode(mode) == "manual"
-    with pytest.raises(AllocationError, match="manual_allocation"):
+    with pytest.raises(AllocationError, match="manual meshes are not implemented yet"):
         resolve_allocation(mode, 1, 8)
 
 
@@ -115,7 +111,8 @@ def test_manual_is_its_own_kind():
         ("sglang.d1p1m1", "needs a training part"),
         ("sglang.d1m1p1+vllm.d1m1p1", "two generation parts"),
         ("d1m1p1+d1m1p1", "two training parts"),
-        ("megatron.d1m1p1+d1m1p1", "unknown generation backend 'megatron' (valid: mock, sglang, vllm)"),
+        ("SGLang.d1m1p1+d1m1p1", "generation backend 'SGLang' is not a name"),
+        ("sglang.d4m1p1+actor_inf:d4m1p1", "no layout for actor_train"),
         ("sglang.+d1m1p1", "empty 3D spec"),
         ("sglang.d1m1p2+d2m1p1", "generation pipeline size must be 1"),
         ("actor_trian:d1m1p1", "unknown MFC 'actor_trian' (valid: actor_gen, actor_train, actor_inf"),
@@ -220,81 +217,6 @@ def test_pipeline_needs_two_micro_batches_per_stage_and_dp_rank():
     check_pipeline_batch(resolve_allocation("d8p1m1", 1, 8), n_seqs=1)  # no pipeline, no constraint
 
 
-# manual device meshes
-
-
-def test_device_mesh_forms():
-    assert parse_device_mesh("node[01-02]", 2) == [("node01", 0), ("node01", 1), ("node02", 0), ("node02", 1)]
-    assert parse_device_mesh("node01:0,1,2,3", 8) == [("node01", g) for g in range(4)]
-    assert parse_device_mesh("node01:4-7", 8) == [("node01", g) for g in range(4, 8)]
-    assert parse_device_mesh("gpu7", 1) == [("gpu7", 0)]
-    assert expand_hostlist("n[1-3,5]") == ["n1", "n2", "n3", "n5"]
-    assert expand_hostlist("a[8-10],b[1-2]x[1-2]") == ["a8", "a9", "a10", "b1x1", "b1x2", "b2x1", "b2x2"]
-    assert expand_hostlist("node[098-101]") == ["node098", "node099", "node100", "node101"]
-
-
-@pytest.mark.parametrize(
-    "mesh, problem",
-    [
-        ("", "empty device mesh"),
-        ("node01:8", "GPU 8 of node01 does not exist on nodes of 8 GPUs"),
-        ("node01:1,1", "GPU 1 of node01 is listed twice"),
-        ("node[01,01]", "is listed twice"),
-        ("node[01-02]:0", "names exactly one node"),
-        ("node01:", "bad range ''"),
-        ("node01:3-1", "runs backwards"),
-        ("node[a-b]", "bad range 'a-b'"),
-        ("node[01-02", "unbalanced brackets"),
-        ("node01,,node02", "empty name"),
-    ],
-)
-def test_device_mesh_errors_quote_the_mesh(mesh, problem):
-    with pytest.raises(AllocationError) as error:
-        parse_device_mesh(mesh, 8)
-    assert f"device mesh {mesh!r}" in str(error.value) and problem in str(error.value)
-
-
-def test_manual_allocation_places_each_mfc_on_its_mesh():
-    alloc = manual_allocation(
-        {
-            "actor_gen": ("node01", ParallelSpec(2, 2, 1)),
-            "actor_train": ("node[01-02]", ParallelSpec(2, 2, 2)),
-            "ref_inf": ("node02:0,1", ParallelSpec(1, 2, 1)),
-        },
-        node_names=["node01", "node02"],
-        n_gpus_per_node=4,
-    )
-    assert alloc.mode.kind == "manual" and alloc.n_train_gpus == 8 and alloc.gen_servers() == ()
-    assert alloc.layout("ref_inf").gpus == (4, 5)
-    ranks = alloc.gpu_map("ref_inf")
-    assert sorted(ranks) == [4, 5] and (ranks[5].node, ranks[5].local_gpu, ranks[5].tp_rank) == (1, 1, 1)
-    assert alloc.gpu_map("actor_train")[6].pp_rank == 1
-    assert {r.role for r in alloc.gpu_map("actor_gen").values()} == {"gen"}
-    with pytest.raises(AllocationError, match="no layout for MFC 'critic_inf'"):
-        alloc.layout("critic_inf")
-
-
-@pytest.mark.parametrize(
-    "meshes, problem",
-    [
-        ({"actor_train": ("node01:0,1", ParallelSpec(4, 1, 1))}, "has 2 GPUs, but d4p1m1 needs 4"),
-        ({"actor_train": ("node09", ParallelSpec(4, 1, 1))}, "names nodes ['node09'] not in the job"),
-        ({"actor_trian": ("node01", ParallelSpec(4, 1, 1))}, "unknown MFC 'actor_trian'"),
-        ({"actor_train": ("node01", ParallelSpec(4, 1, 1))}, "multi-node run must use every GPU"),
-        ({}, "no MFC has a device mesh"),
-    ],
-)
-def test_manual_allocation_errors(meshes, problem):
-    with pytest.raises(AllocationError) as error:
-        manual_allocation(meshes, ["node01", "node02"], 4)
-    assert "allocation_mode 'manual'" in str(error.value) and problem in str(error.value)
-
-
-def test_manual_mesh_gpu_must_exist():
-    with pytest.raises(AllocationError, match="GPU 4 of node01 does not exist"):
-        manual_allocation({"actor_train": ("node01:3,4", ParallelSpec(2, 1, 1))}, ["node01"], 4)
-
-
 # round trips
 
 
@@ -309,9 +231,11 @@ def modes(draw) -> AllocationMode:
     gen = draw(st.none() | st.builds(ParallelSpec, st.integers(1, 8), st.integers(1, 8), st.just(1)))
     if gen is not None:
         keys = [key for key in keys if key != "actor_gen"] or ["*"]
+    if "actor_train" not in keys and "*" not in keys:
+        keys.append("*")
     # every per-MFC layout has the same world size: permute the base sizes
     train = {key: ParallelSpec(*draw(st.permutations(sizes))) for key in keys}
-    backend = draw(st.sampled_from(GEN_BACKENDS)) if gen else None
+    backend = draw(st.sampled_from(["builtin", "sglang", "vllm"])) if gen else None
     return AllocationMode("decoupled" if gen else "colocated", train, backend, gen)
 
 

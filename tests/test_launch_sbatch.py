@@ -92,18 +92,16 @@ def test_site_options_reach_the_script():
 def test_a_layout_slurm_cannot_place_is_refused_naming_the_field():
     # 4 nodes, generation on 4 GPUs: generation and training would share node 0.
     cfg = config(
-        "qwen3-1.7b-8gpu.yaml", overrides=["cluster.n_nodes=4", "allocation_mode=sglang.d4p1m1+d7p2m2"]
+        "qwen3-1.7b-8gpu.yaml", overrides=["cluster.n_nodes=4", "allocation_mode=builtin.d4p1m1+d28p1m1"]
     )
     with pytest.raises(PlanError, match="allocation_mode: generation and training share node 0"):
         launch_plan(cfg, RunDir(Path("/x")))
-    with pytest.raises(PlanError, match="colocated"):
-        launch_plan(config("toy-cpu.yaml", overrides=["allocation_mode=d2p1m1"]), RunDir(Path("/x")))
     with pytest.raises(PlanError, match="slurm.nodelist"):
         launch_plan(config("toy-cpu.yaml", overrides=["cluster.slurm.nodelist=n1"]), RunDir(Path("/x")))
 
 
-def test_dry_run_writes_nothing(tmp_path):
-    cfg = config("toy-cpu.yaml", overrides=[f"cluster.fileroot={tmp_path}"])
+def test_dry_run_writes_nothing(tmp_path, toy):
+    cfg = config("toy-cpu.yaml", overrides=toy.overrides("golden", 2))
     text = dry_run_text(prepare(cfg))
     assert "layout: hetjob" in text and "#SBATCH hetjob" in text
     assert list(tmp_path.iterdir()) == []
@@ -124,9 +122,9 @@ def test_submit_refuses_a_bad_config_before_writing_anything(tmp_path, capsys, o
     assert list(tmp_path.iterdir()) == []
 
 
-def test_submit_without_slurm_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
+def test_submit_without_slurm_says_so_and_writes_nothing(tmp_path, toy, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    code = main(["submit", str(REPO / "configs/toy-cpu.yaml"), f"cluster.fileroot={tmp_path}"])
+    code = main(["submit", str(REPO / "configs/toy-cpu.yaml"), *toy.overrides("t", 2)])
     assert code == 1
     assert "sbatch is not on PATH" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -26,7 +26,7 @@ PINS = Path(__file__).parent / "golden" / "pinned-stats.json"
 # one group at a time: rows batched with other requests round differently from run to run.
 RUNS = {
     "ppo": (
-        "allocation_mode=sglang.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3",
+        "allocation_mode=builtin.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3",
         "ppo.adv_norm=false", "ppo.group_adv_norm=false", "ppo.kl_ctl=0.05", "max_running_requests=2",
     ),
     "sft": ("experiment_type=sft",),

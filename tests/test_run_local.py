@@ -23,7 +23,7 @@ from tests.helpers import role_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two trainer ranks and one server on three CPU slots.
-TWO_TRAINERS = ("allocation_mode=sglang.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3")
+TWO_TRAINERS = ("allocation_mode=builtin.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3")
 
 
 def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):

@@ -16,7 +16,8 @@ from areal_hpc.config import load_config
 from areal_hpc.control import fsio
 from areal_hpc.control.rundir import RunDir, create_run_dir
 from areal_hpc.control.status import get_status
-from areal_hpc.launch import runs, slurm, submit
+from areal_hpc.launch import runs, slurm
+from areal_hpc.launch.plan import launch_plan
 from areal_hpc.recover.checkpoint import Checkpoints
 from tests.slurm import job_log, role_env, start_requeued, wait_role
 from tests.test_slurm_submit import ROOT, submit_toy, toy_overrides, wait_for_step
@@ -95,11 +96,12 @@ def test_a_job_whose_retries_are_used_up_fails_without_another_attempt(
 
 def made_run(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, *extra: str) -> RunDir:
     """A run directory as `areal-hpc submit` makes it, with no Slurm job recorded yet."""
-    overrides = [*toy_overrides(tmp_path, tiny_model_dir, data, trial, 2), *extra]
-    sub = submit.prepare(load_config([ROOT / "configs/toy-cpu.yaml"], overrides))
-    run = create_run_dir(sub.cfg)
-    (run.root / "slurm").mkdir()
-    fsio.write_json(submit.jobs_path(run), {"kind": sub.plan.kind, "workdir": str(ROOT), "jobs": []})
+    cfg = load_config(
+        [ROOT / "configs/toy-cpu.yaml"], [*toy_overrides(tmp_path, tiny_model_dir, data, trial, 2), *extra]
+    )
+    run = create_run_dir(cfg)
+    run.slurm.mkdir()
+    fsio.write_json(run.jobs, {"kind": launch_plan(cfg, run).kind, "workdir": str(ROOT), "jobs": []})
     return run
 
 

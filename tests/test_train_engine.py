@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_hpc.config.schema import MicroBatchSpec, ModelConfig, OptimizerConfig
+from areal_hpc.config.schema import MicroBatchSpec, OptimizerConfig, TrainedModelConfig
 from areal_hpc.train.engine import TorchEngine, lr_factor, token_logprobs
 from areal_hpc.train.microbatch import micro_batch_groups, micro_batches, minibatches
 from areal_hpc.train.models import ValueModel
@@ -18,9 +18,11 @@ from areal_hpc.train.stats import StatsTracker
 LENGTHS = [9, 5, 13, 7, 4, 11]
 
 
-def model_config(path, **opt) -> ModelConfig:
+def model_config(path, **opt) -> TrainedModelConfig:
     optimizer = OptimizerConfig(**{"lr": 1e-3, "warmup_steps_proportion": 0.0, **opt})
-    return ModelConfig(path=str(path), dtype="float32", gradient_checkpointing=False, optimizer=optimizer)
+    return TrainedModelConfig(
+        path=str(path), dtype="float32", gradient_checkpointing=False, optimizer=optimizer
+    )
 
 
 def packed(lengths=LENGTHS, seed=0) -> dict[str, np.ndarray]:
@@ -166,7 +168,7 @@ def test_save_hf_round_trips(engine, tmp_path, tiny_model_dir):
 
 
 def test_save_hf_in_bfloat16(tiny_model_dir, tmp_path):
-    cfg = ModelConfig(path=str(tiny_model_dir), dtype="bfloat16", gradient_checkpointing=True)
+    cfg = TrainedModelConfig(path=str(tiny_model_dir), dtype="bfloat16", gradient_checkpointing=True)
     engine = TorchEngine(cfg, total_train_steps=1, seed=1)
     assert next(engine.model.parameters()).dtype == torch.float32  # master weights; autocast in forward
     engine.train_minibatch(micro_batches(packed(), MicroBatchSpec()), nll_loss_fn(10.0))

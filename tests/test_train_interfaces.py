@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from areal_hpc.config.schema import MicroBatchSpec, ModelConfig, OptimizerConfig, PPOConfig
+from areal_hpc.config.schema import MicroBatchSpec, OptimizerConfig, PPOConfig, TrainedModelConfig
 from areal_hpc.data.batch import read_batch, write_batch
 from areal_hpc.train import dist
 from areal_hpc.train.engine import TorchEngine
@@ -30,9 +30,9 @@ PPO = PPOConfig(ppo_n_minibatches=1, kl_ctl=0.0, group_adv_norm=False)
 RANK_SEQS = [[0, 1, 2, 3], [4, 5, 6, 7]]  # the data-parallel parts of the two-rank test
 
 
-def model_config(path, lr=1e-3) -> ModelConfig:
+def model_config(path, lr=1e-3) -> TrainedModelConfig:
     opt = OptimizerConfig(lr=lr, warmup_steps_proportion=0.0)
-    return ModelConfig(path=str(path), dtype="float32", gradient_checkpointing=False, optimizer=opt)
+    return TrainedModelConfig(path=str(path), dtype="float32", gradient_checkpointing=False, optimizer=opt)
 
 
 def rollout_batch(n_seqs: int = 8, seed: int = 0) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_hpc.config.schema import ExperimentConfig, ModelConfig
+from areal_hpc.config.schema import ExperimentConfig, TrainedModelConfig
 from areal_hpc.gen.client import GenClient, GenServerError
 from areal_hpc.train.engine import TorchEngine
 from areal_hpc.train.worker import TrainerHandlers
@@ -71,9 +71,11 @@ class LocalTrainer:
 
 def perturbed_trainer(model_dir: Path, seed: int) -> TrainerHandlers:
     """Trainer rank 0 whose actor's weights moved by random noise (the tied embedding too)."""
-    cfg = ExperimentConfig(mode="local")
+    cfg = ExperimentConfig()
     handlers = TrainerHandlers(cfg, rank=0, world_size=1)
-    actor = TorchEngine(ModelConfig(path=str(model_dir), dtype="float32", gradient_checkpointing=False))
+    actor = TorchEngine(
+        TrainedModelConfig(path=str(model_dir), dtype="float32", gradient_checkpointing=False)
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in actor.model.parameters():

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from areal_hpc.config.loader import ConfigError
-from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc import alloc
+from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS
+from areal_hpc.config.schema import ConfigError, ExperimentConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
 _BOUNDS = {
@@ -41,8 +42,6 @@ def field_problems(key: str, f: dataclasses.Field, value: Any) -> list[str]:
     meta = f.metadata
     if "choices" in meta and value not in meta["choices"]:
         return [f"'{key}' is {value!r}; choose one of {', '.join(map(str, meta['choices']))}"]
-    if meta.get("nonempty") and not value:
-        return [f"'{key}' must not be empty"]
     out = []
     for name, (ok, symbol) in _BOUNDS.items():
         if name in meta and not ok(value, meta[name]):
@@ -82,13 +81,34 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def allocation_problems(cfg: ExperimentConfig) -> list[str]:
-    """allocation_mode against the cluster size, and TP against the actor's attention heads."""
-    from areal_hpc import alloc
-
+    """allocation_mode against what is implemented (kinds, backends and their parallelism), the cluster size,
+    and TP against the actor's attention heads."""
     try:
         mode = alloc.parse_allocation_mode(cfg.allocation_mode)
-        if mode.kind == "manual":
-            return []  # manual meshes are checked by the launcher against the node list
+    except alloc.AllocationError as e:
+        return [f"'allocation_mode': {e}"]
+    if mode.kind != "decoupled":
+        return [
+            f"'allocation_mode' is {cfg.allocation_mode!r}: {mode.kind} allocations are not implemented yet; give "
+            "the generation servers GPUs of their own, e.g. 'builtin.d1p1m1+d1p1m1'"
+        ]
+    gen = GEN_BACKENDS.get(mode.gen_backend)
+    if gen is None:
+        return [
+            f"'allocation_mode': generation backend {mode.gen_backend!r} is not available "
+            f"(available: {', '.join(GEN_BACKENDS)})"
+        ]
+    out = []
+    if mode.gen.tensor > 1 and not gen.tensor_parallel:
+        out.append(
+            f"'allocation_mode': generation backend {mode.gen_backend!r} has no tensor parallelism: its 3D spec "
+            f"needs m1, not {mode.gen.format()}"
+        )
+    for key, spec in mode.train:
+        out += _parallel_problems(cfg, key, spec)
+    if out:
+        return out
+    try:
         allocation = alloc.resolve_allocation(mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
         heads = _model_heads(cfg.actor.path)
         if heads is not None:
@@ -97,6 +117,34 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
     except alloc.AllocationError as e:
         return [f"'allocation_mode': {e}"]
     return []
+
+
+def trainer_models(cfg: ExperimentConfig) -> dict[str, str]:
+    """{model: its backend} of the models the trainer ranks host."""
+    models = {"actor": cfg.actor.backend}
+    if cfg.experiment_type == "ppo" and cfg.ppo.kl_ctl > 0:
+        models["ref"] = cfg.ref.backend
+    if cfg.experiment_type == "ppo" and not cfg.ppo.disable_value:
+        models["critic"] = cfg.critic.backend
+    return models
+
+
+def _parallel_problems(cfg: ExperimentConfig, key: str, spec: alloc.ParallelSpec) -> list[str]:
+    """A training layout's tensor and pipeline sizes against the backends of the models it runs."""
+    out = []
+    layout = "the training layout" if key == alloc.DEFAULT_KEY else f"the layout of {key}"
+    for model, name in trainer_models(cfg).items():
+        backend = TRAIN_BACKENDS[name]
+        for size, axis, able in (
+            (spec.tensor, "tensor", backend.tensor_parallel),
+            (spec.pipeline, "pipeline", backend.pipeline_parallel),
+        ):
+            if size > 1 and not able:
+                out.append(
+                    f"'allocation_mode': {layout} {spec.format()} has {axis} size {size}, but {model}.backend "
+                    f"{name!r} has no {axis} parallelism (it trains data parallel: give d{spec.world_size}p1m1)"
+                )
+    return out
 
 
 def _model_heads(path: str | None) -> tuple[int, int] | None:

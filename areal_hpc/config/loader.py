@@ -16,15 +16,23 @@ from typing import Any
 
 import yaml
 
-from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.alloc import MFC_NAMES
+from areal_hpc.config.checks import validate
+from areal_hpc.config.schema import ConfigError, ExperimentConfig
 
 _NULLS = {"null", "none", "~"}
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and where its value came from."""
+# Keys of the original (or of earlier versions) that this version does not take, and why.
+NOT_TAKEN = {
+    "mode": "the command decides where roles run: `areal-hpc run` (local processes) or `areal-hpc submit` (Slurm)",
+    "eval": "evaluation options are not implemented yet; held-out accuracy during training uses dataset.valid_path",
+    "logging.tensorboard": "TensorBoard output is not implemented yet; statistics go to logs/stats.jsonl",
+    "logging.stats_jsonl": "statistics always go to logs/stats.jsonl",
+    "actor.optimizer.offload": "optimizer offload is not implemented yet",
+    "critic.optimizer.offload": "optimizer offload is not implemented yet",
+}
+MANUAL_KEYS = ("device_mesh", "parallel")  # an MFC's own mesh, for allocation_mode manual
 
 
 @functools.cache
@@ -44,6 +52,19 @@ def all_paths(cls: type = ExperimentConfig, prefix: str = "") -> tuple[str, ...]
         if dataclasses.is_dataclass(tp):
             out.extend(all_paths(tp, path + "."))
     return tuple(out)
+
+
+def not_taken(path: str) -> str | None:
+    """Why a key of the original that this version does not take is refused, or None."""
+    for key, why in NOT_TAKEN.items():
+        if path == key or path.startswith(key + "."):
+            return why
+    parts = path.split(".")
+    if len(parts) > 1 and parts[0] in MFC_NAMES and parts[1] in MANUAL_KEYS:
+        return (
+            "allocation_mode manual is not implemented yet: every MFC takes its layout from allocation_mode"
+        )
+    return None
 
 
 def suggest(path: str) -> str:
@@ -236,6 +257,9 @@ def build(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
         key = prefix + name
         if name not in types_:
             source = _first_source(node)
+            why = not_taken(key)
+            if why:
+                raise ConfigError(f"{source}: '{key}' is not an option of this version: {why}")
             raise ConfigError(f"{source}: unknown key '{key}'{suggest(key)}")
         tp = types_[name]
         if dataclasses.is_dataclass(tp):
@@ -259,8 +283,6 @@ def _first_source(node: Any) -> str:
 
 def load_config(paths: list[str | Path] | tuple = (), overrides: list[str] | tuple = ()) -> ExperimentConfig:
     """The config of the YAML files (merged in order) and overrides, type-checked and validated."""
-    from areal_hpc.config.checks import validate
-
     tree: dict[str, Any] = {}
     for path in paths:
         tree = merge(tree, read_yaml(path))

@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_hpc.config.backends import TRAIN_BACKENDS
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and where its value came from."""
+
+
+class InputError(ValueError):
+    """An input the config names (a dataset, a model directory) that cannot work; the message names the option
+    and the file."""
+
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
     """A schema field: default value (a list or dataclass type becomes a factory), help text, checks."""
@@ -78,16 +89,21 @@ class OptimizerConfig:
         0.001, "Fraction of all optimizer steps spent warming up.", ge=0, le=1
     )
     gradient_clipping: float = opt(1.0, "Clip the global gradient norm to this value.", gt=0)
-    offload: bool = opt(False, "Keep optimizer state in host memory.")
 
 
 @dataclass
 class ModelConfig:
     path: str | None = opt(None, "Hugging Face model directory (weights and tokenizer).")
-    backend: str = opt("torch", "Training backend.", choices=("torch", "megatron"))
-    dtype: str = opt("bfloat16", "Parameter dtype.", choices=("bfloat16", "float16", "float32"))
+    backend: str = opt(
+        "torch", "Training backend of the trainer ranks (config/backends.py).", choices=tuple(TRAIN_BACKENDS)
+    )
+    dtype: str = opt("bfloat16", "Compute dtype.", choices=("bfloat16", "float16", "float32"))
+
+
+@dataclass
+class TrainedModelConfig(ModelConfig):
     gradient_checkpointing: bool = opt(True, "Recompute activations in the backward pass to save memory.")
-    optimizer: OptimizerConfig = opt(OptimizerConfig, "Optimizer of this model (unused by ref).")
+    optimizer: OptimizerConfig = opt(OptimizerConfig, "Optimizer of this model.")
 
 
 @dataclass
@@ -97,19 +113,8 @@ class MicroBatchSpec:
 
 
 @dataclass
-class ParallelConfig:
-    data: int = opt(1, "Data-parallel size (manual allocation only).", ge=1)
-    tensor: int = opt(1, "Tensor-parallel size (manual allocation only).", ge=1)
-    pipeline: int = opt(1, "Pipeline-parallel size (manual allocation only).", ge=1)
-
-
-@dataclass
 class MFCConfig:
     mb_spec: MicroBatchSpec = opt(MicroBatchSpec, "Micro-batching of this model function call.")
-    device_mesh: str | None = opt(
-        None, "Devices of this call with allocation_mode=manual, e.g. 'node[01-02]'."
-    )
-    parallel: ParallelConfig = opt(ParallelConfig, "Parallel sizes with allocation_mode=manual.")
 
 
 @dataclass
@@ -180,25 +185,9 @@ class ExpCtrlConfig:
 
 
 @dataclass
-class EvalConfig:
-    data_names: list[str] = opt(
-        ["math_500", "aime24", "amc23"], "Evaluation sets, files <data_dir>/<name>.jsonl.", nonempty=True
-    )
-    data_dir: str | None = opt(None, "Folder of the evaluation sets; null: the shared data folder.")
-    max_gen_tokens: int = opt(32768, "Longest answer generated in evaluation.", ge=1)
-    n_sampling: int = opt(32, "Samples per question for pass@k and maj@k.", ge=1)
-    temperature: float = opt(0.6, "Sampling temperature of the sampled pass.", gt=0)
-    top_p: float = opt(0.95, "Nucleus sampling threshold of the sampled pass.", gt=0, le=1)
-    top_k: int = opt(-1, "Top-k of the sampled pass; -1: all.", ge=-1)
-    greedy: bool = opt(True, "Also run a greedy pass (temperature 0, one sample).")
-
-
-@dataclass
 class LoggingConfig:
     level: str = opt("INFO", "Log level of every role.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    stats_jsonl: bool = opt(True, "Write per-step statistics to stats.jsonl in the log folder.")
-    tensorboard: bool = opt(False, "Also write statistics as TensorBoard events.")
-    progress: bool = opt(True, "Show a progress line with step, reward and ETA.")
+    progress: bool = opt(True, "`areal-hpc run` shows a progress line (step, reward, ETA) as steps finish.")
 
 
 @dataclass
@@ -210,17 +199,20 @@ class ExperimentConfig:
         "ppo: RL with PPO/GRPO; sft: supervised warm-up on the reference solutions.",
         choices=("ppo", "sft"),
     )
-    mode: str = opt(
-        "local", "Where the roles run: local processes or a Slurm job.", choices=("local", "slurm")
-    )
     seed: int = opt(1, "Seed of data order, sampling and initialisation.", ge=0)
     allocation_mode: str = opt(
-        "sglang.d4p1m1+d2p2m1", "GPU layout of generation and training (REFERENCE.md section 2)."
+        "builtin.d4p1m1+d4p1m1",
+        "GPU layout of generation and training, '<generation backend>.<3D spec>+<training 3D spec>' "
+        "(REFERENCE.md section 2; areal_hpc/alloc.py).",
     )
     cluster: ClusterConfig = opt(ClusterConfig, "Resources and storage.")
-    actor: ModelConfig = opt(ModelConfig, "The policy being trained.")
-    ref: ModelConfig = opt(ModelConfig, "Reference policy of the KL penalty; path null: actor.path.")
-    critic: ModelConfig = opt(ModelConfig, "Value model (only when ppo.disable_value is false).")
+    actor: TrainedModelConfig = opt(TrainedModelConfig, "The policy being trained.")
+    ref: ModelConfig = opt(
+        ModelConfig, "Reference policy of the KL penalty (ppo.kl_ctl > 0); path null: actor.path."
+    )
+    critic: TrainedModelConfig = opt(
+        TrainedModelConfig, "Value model (only when ppo.disable_value is false)."
+    )
     actor_train: MFCConfig = opt(MFCConfig, "The actor's PPO update.")
     actor_inf: MFCConfig = opt(MFCConfig, "The actor's logprob recomputation.")
     ref_inf: MFCConfig = opt(MFCConfig, "The reference model's logprobs.")
@@ -285,5 +277,4 @@ class ExperimentConfig:
     recover_retries: int = opt(1, "How many times a failed run is restarted.", ge=0)
     recover_after: int = opt(10, "Seconds to wait before restarting a failed run.", ge=0)
     recover_keep: int = opt(2, "How many recover checkpoints to keep (the newest).", ge=1)
-    eval: EvalConfig = opt(EvalConfig, "Math evaluation (REFERENCE.md section 8).")
     logging: LoggingConfig = opt(LoggingConfig, "Logs, statistics and progress display.")

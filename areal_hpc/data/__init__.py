@@ -1,0 +1,49 @@
+"""Data: prompt datasets and their sampler, packed batch files (HDF5), the rollout store, SFT sequences.
+
+dataset  the JSONL prompt format, tokenized datasets, ShardedSampler (resumable, sharded by global rank)
+batch    packed arrays of sequences in HDF5 batch files: write, read, select, gather by reference
+store    RolloutStore: finished groups of asynchronous RL waiting to be trained on
+sft      supervised warm-up sequences (prompt + reference solution)
+"""
+
+from areal_hpc.data.batch import (
+    CU,
+    BatchError,
+    gather,
+    read_attrs,
+    read_batch,
+    read_keys,
+    select,
+    write_batch,
+)
+from areal_hpc.data.dataset import (
+    DatasetFormatError,
+    PromptDataset,
+    PromptSample,
+    SamplerStateError,
+    ShardedSampler,
+    load_prompt_dataset,
+    read_prompt_records,
+)
+from areal_hpc.data.sft import sft_arrays
+from areal_hpc.data.store import RolloutStore
+
+__all__ = [
+    "CU",
+    "BatchError",
+    "DatasetFormatError",
+    "PromptDataset",
+    "PromptSample",
+    "RolloutStore",
+    "SamplerStateError",
+    "ShardedSampler",
+    "gather",
+    "load_prompt_dataset",
+    "read_attrs",
+    "read_batch",
+    "read_keys",
+    "read_prompt_records",
+    "select",
+    "sft_arrays",
+    "write_batch",
+]

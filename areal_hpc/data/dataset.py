@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from areal_hpc.config import InputError
+
 logger = logging.getLogger(__name__)
 
 TASKS = ("math", "code", "stem")
 DEFAULT_TASK = "math"
 
 
-class DatasetFormatError(ValueError):
+class DatasetFormatError(InputError):
     """A dataset file breaks the JSONL format; the message names the file and line."""
 
 

@@ -22,6 +22,7 @@ from areal_hpc import alloc
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.control.rundir import RunDir, create_run_dir
 from areal_hpc.control.status import ABORTED, COMPLETE, abort, get_status
+from areal_hpc.launch.preflight import check_inputs
 from areal_hpc.launch.roles import LAUNCHER_ENV
 from areal_hpc.monitor.progress import Progress
 from areal_hpc.recover.attempt import ATTEMPT_ENV, begin_attempt
@@ -148,6 +149,7 @@ def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
     """Create the run directory, then run attempts until one completes, fails for good or is interrupted;
     0 only when the run completed."""
     out = out or sys.stdout
+    check_inputs(cfg)
     run = create_run_dir(cfg)
     print(f"run directory: {run.root}", file=out)
     restarts = 0 if cfg.recover_mode == "disabled" else cfg.recover_retries

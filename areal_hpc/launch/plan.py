@@ -92,11 +92,6 @@ class LaunchPlan:
 
 def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None) -> LaunchPlan:
     """The jobs that run `cfg` in `run`; raises PlanError when the allocation cannot be laid out."""
-    if cfg.allocation_mode.split(".", 1)[0] not in alloc.GEN_BACKENDS or "+" not in cfg.allocation_mode:
-        raise PlanError(
-            f"allocation_mode: {cfg.allocation_mode!r} is colocated; a Slurm run needs a decoupled mode "
-            "such as 'sglang.d4p1m1+d4p1m1' (generation servers + trainers)"
-        )
     allocation = alloc.resolve_allocation(
         cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     )

@@ -236,7 +236,7 @@ def run_gen_server(run: RunDir, index: int) -> None:
     from areal_hpc.gen import server
 
     cfg = run.load_config()
-    host = "127.0.0.1" if cfg.mode == "local" else "0.0.0.0"
+    host = "127.0.0.1" if os.environ.get("SUBMITIT_EXECUTOR") == "local" else "0.0.0.0"
     args = ["--model-path", cfg.actor.path, "--token-file", str(run.secret), "--host", host]
     if torch.cuda.is_available():  # the step's GPUs: one per server on a node (TP > 1 needs real SGLang)
         args += ["--device", f"cuda:{index % torch.cuda.device_count()}"]

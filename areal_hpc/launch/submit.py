@@ -22,6 +22,7 @@ from areal_hpc.control import fsio
 from areal_hpc.control.rundir import RunDir, create_run_dir, default_trial_name, run_dir_of
 from areal_hpc.launch import slurm
 from areal_hpc.launch.plan import LaunchPlan, PlanError, launch_plan
+from areal_hpc.launch.preflight import check_inputs
 from areal_hpc.launch.sbatch import code_version, render
 from areal_hpc.recover.attempt import begin_attempt, next_attempt
 from areal_hpc.recover.checkpoint import Checkpoints
@@ -43,8 +44,10 @@ class Submission:
 
 
 def prepare(cfg: ExperimentConfig) -> Submission:
-    """The whole submission, checked; writes nothing. Raises PlanError with the field to change."""
-    cfg = dataclasses.replace(cfg, mode="slurm", trial_name=cfg.trial_name or default_trial_name())
+    """The whole submission, checked (config, inputs, layout); writes nothing. Raises PlanError or InputError
+    naming the field to change."""
+    check_inputs(cfg)
+    cfg = dataclasses.replace(cfg, trial_name=cfg.trial_name or default_trial_name())
     run = run_dir_of(cfg)
     if run.root.exists():
         raise PlanError(f"trial_name: run directory {run.root} already exists; choose another trial_name")
@@ -62,6 +65,7 @@ def prepare_recover(run: RunDir) -> Submission:
     cfg = run.load_config()
     record = fsio.read_json(run.jobs)
     check_recoverable(run, cfg, record)
+    check_inputs(cfg, new_run=False)
     # The original submission's working directory: relative paths of the config resolve there.
     plan = launch_plan(cfg, run, workdir=Path(record.get("workdir") or Path.cwd()))
     attempt = next_attempt(run)

@@ -39,8 +39,9 @@ logger = logging.getLogger("trainer")
 class TrainerHandlers:
     """The request types a trainer rank answers; engines are built by `initialize`."""
 
-    def __init__(self, cfg: ExperimentConfig, rank: int, world_size: int):
+    def __init__(self, cfg: ExperimentConfig, rank: int, world_size: int, host: str = "127.0.0.1"):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.host = host  # where the servers reach this rank's weight-group store
         self.engines: dict[str, TorchEngine] = {}
         self.weight_sender = WeightSender()
 
@@ -132,9 +133,8 @@ class TrainerHandlers:
         """Serve the store of weight group `group_name`; `{"master_address", "master_port", "backend"}`."""
         self._only_rank0("weight_group_store")
         port = self.weight_sender.open(payload["group_name"], payload["timeout_s"], payload.get("port", 0))
-        host = "127.0.0.1" if self.cfg.mode == "local" else socket.gethostname()
         backend = "nccl" if self.engines["actor"].device.type == "cuda" else "gloo"
-        return {"master_address": host, "master_port": port, "backend": backend}
+        return {"master_address": self.host, "master_port": port, "backend": backend}
 
     def init_weight_group(self, payload: dict) -> dict:
         """Join the weight group as rank 0 (returns when every server joined); the bucket plan of the actor."""
@@ -167,7 +167,8 @@ def serve_trainer(run: RunDir, rank: int) -> None:
     )
     world_size = allocation.n_train_gpus
     dist.init_distributed(rank, world_size, run.dist_init)
-    handlers = TrainerHandlers(cfg, rank, world_size)
+    host = "127.0.0.1" if os.environ.get("SUBMITIT_EXECUTOR") == "local" else socket.gethostname()
+    handlers = TrainerHandlers(cfg, rank, world_size, host)
     try:
         WorkerServer(run, trainer_name(rank), handlers).serve()
     finally:
