@@ -7,8 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from areal_hpc.config import ConfigError, dump_yaml, load_config
-from areal_hpc.config.docs import render_markdown, render_options
+from areal_hpc.config import ConfigError, dump_yaml, load_config, render_markdown, render_options
 
 # Errors that end a launch verb with a message, not a traceback: a plan or allocation that cannot work
 # (ValueError, exit code 2), Slurm or a run directory that refuse (exit code 1).
@@ -51,8 +50,8 @@ def cmd_config_options(ns: argparse.Namespace) -> int:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from areal_hpc.control.rundir import default_trial_name
-    from areal_hpc.launch.local import run_local
+    from areal_hpc.control import default_trial_name
+    from areal_hpc.launch import run_local
 
     paths, overrides = split_args(ns.args)
     cfg = load_config(paths, overrides)
@@ -104,7 +103,7 @@ def cmd_stop(ns: argparse.Namespace) -> int:
 
 
 def cmd_logs(ns: argparse.Namespace) -> int:
-    from areal_hpc.control.status import get_status
+    from areal_hpc.control import get_status
     from areal_hpc.launch import runs
 
     run = runs.find_run(ns.run, ns.fileroot)
@@ -123,7 +122,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
-    from areal_hpc.control.status import get_status
+    from areal_hpc.control import get_status
     from areal_hpc.launch import runs
 
     for run in runs.list_runs(ns.fileroot):

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from areal_hpc.gen.engine import Engine
-from areal_hpc.gen.protocol import RequestError, SamplingParams
-from areal_hpc.gen.sampling import filter_top_k_top_p, sample_tokens
+from areal_hpc.gen.backends.builtin.engine import Engine
+from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
+from areal_hpc.gen.backends.builtin.sampling import filter_top_k_top_p, sample_tokens
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 

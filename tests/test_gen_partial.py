@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_hpc.control.manifest import write_manifest
+from areal_hpc.gen.backends.builtin.engine import Engine
+from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient
-from areal_hpc.gen.engine import Engine
 from areal_hpc.gen.partial import continuation_params, generate_group
-from areal_hpc.gen.server import App, GenHTTPServer
 
 TOKEN = "partial-test-token"
 PROMPT = [5, 9, 2, 7]

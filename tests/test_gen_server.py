@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_hpc.control.manifest import write_manifest
+from areal_hpc.gen.backends.builtin.server import ServerSetupError, main, read_token
 from areal_hpc.gen.client import GenClient, GenServerError
-from areal_hpc.gen.server import ServerSetupError, main, read_token
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-secret-token"
@@ -35,7 +35,7 @@ def server(tiny_model_dir, tmp_path_factory):
     secret, address = run_dir / "secret", run_dir / "gen-0.json"
     secret.write_text(TOKEN)
     secret.chmod(0o600)
-    cmd = [sys.executable, "-m", "areal_hpc.gen.server", "--model-path", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "areal_hpc.gen.backends.builtin.server", "--model-path", str(tiny_model_dir)]
     cmd += [
         "--token-file",
         str(secret),
@@ -97,7 +97,7 @@ def test_address_file_and_info(server, client):
     info = client.model_info()
     assert info["is_generation"] and info["weight_version"] == "0"
     assert Path(info["model_path"]).name == "model" and info["tokenizer_path"] == info["model_path"]
-    assert client.server_info()["max_batch_size"] == 16
+    assert client.server_info()["max_running_requests"] == 16
 
 
 def test_generate_from_input_ids_and_from_text(client, tiny_tokenizer):

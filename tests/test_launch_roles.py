@@ -1,14 +1,24 @@
-"""A role process: its index comes from the job environment; a server gives up on a run that is over."""
+"""A role process: its place comes from the job environment and must match the plan; a server gives up on a run
+that is over."""
 
 import os
 import time
 
 import pytest
 
-from areal_hpc.control.heartbeat import Heartbeat, heartbeat_path
-from areal_hpc.control.rundir import RunDir
-from areal_hpc.control.status import abort, complete
-from areal_hpc.launch.roles import START_TIMEOUT_SECS, JobEnvironmentError, task_of_job, why_stop
+from areal_hpc.control import (
+    EXIT_PERMANENT,
+    START_TIMEOUT_SECS,
+    Heartbeat,
+    RunDir,
+    abort,
+    complete,
+    create_run_dir,
+    get_status,
+    why_stop,
+)
+from areal_hpc.control.heartbeat import heartbeat_path
+from areal_hpc.launch.roles import JobEnvironmentError, role_main, run_context, task_of_job
 
 
 def test_the_index_comes_from_the_job_environment(monkeypatch):
@@ -16,7 +26,7 @@ def test_the_index_comes_from_the_job_environment(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_NTASKS", "4")
-    assert task_of_job() == (3, 4)
+    assert task_of_job() == (3, 4, False)  # not local: servers listen on every interface
 
 
 def test_a_role_outside_any_job_says_how_to_start_it(monkeypatch):
@@ -43,3 +53,16 @@ def test_a_server_gives_up_on_a_run_that_failed_or_whose_controller_vanished(tmp
     assert "last heartbeat is 120 s old" in why_stop(run, waited=1.0, dead_secs=60)
     abort(run, "OOM in trainer1", "trainer1")
     assert why_stop(run, waited=1.0) == "the run was aborted by trainer1: OOM in trainer1"
+
+
+def test_a_task_count_other_than_the_plan_is_refused_and_not_retried(toy, monkeypatch):
+    run = create_run_dir(toy.config("count", 1))  # one trainer rank
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(JobEnvironmentError, match="the job started 2 trainer task"):
+        run_context(run, "trainer")
+    assert role_main(run.root, "trainer") == EXIT_PERMANENT
+    status = get_status(run)
+    assert status.state == "ABORTED" and status.permanent and "plans 1" in status.reason

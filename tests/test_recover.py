@@ -16,12 +16,13 @@ from areal_hpc.control.rundir import RunDir
 from areal_hpc.control.status import ABORTED, complete, set_status
 from areal_hpc.data.store import RolloutStore
 from areal_hpc.gen.rollout_worker import used_prompts
+from areal_hpc.master.guard import StepGuard
 from areal_hpc.master.loop import Master
+from areal_hpc.master.sources import StepBatch, StoreRollouts
 from areal_hpc.monitor.stats import StatsLog, read_stats
 from areal_hpc.recover import attempt
 from areal_hpc.recover.checkpoint import Checkpoints
 from areal_hpc.recover.rewind import rewind, save_into
-from areal_hpc.recover.signals import PreemptNotice
 from areal_hpc.recover.state import RecoverError, check_compatible, identity, resumes
 from tests.helpers import REPO_ROOT
 
@@ -161,25 +162,26 @@ def test_a_resumed_rollout_side_skips_prompts_trained_on_waiting_or_dropped(tmp_
 
 
 def test_a_step_records_its_groups_and_the_dropped_ones_by_prompt_epoch(tmp_path):
-    master = SimpleNamespace(
-        ledger=Ledger(RunDir(tmp_path).ledger), store=RolloutStore(RunDir(tmp_path).rollouts)
-    )
-    master.store.put_dropped(0, 7, 1.0, "d", 1)
-    Master.record_used(master, 5, [{"query_id": "a", "epoch": 0}, {"query_id": "b", "epoch": 1}])
-    records = [(r.epoch, r.step, r.ids, r.dropped) for r in master.ledger.records()]
+    run = RunDir(tmp_path)
+    source = StoreRollouts(load_config(), run, StepGuard())
+    source.store.put_dropped(0, 7, 1.0, "d", 1)
+    source.consumed(4, StepBatch([], 2, [("a", 0), ("b", 1)]))  # step 4 ends: recorded as step 5
+    records = [(r.epoch, r.step, r.ids, r.dropped) for r in Ledger(run.ledger).records()]
     assert records == [(0, 5, ("a",), False), (1, 5, ("b",), False), (1, 5, ("d",), True)]
-    assert master.store.dropped() == []  # recorded once
+    assert source.store.dropped() == []  # recorded once
 
 
-def test_a_publish_that_fails_after_sigterm_is_skipped_so_that_the_step_can_be_checkpointed():
+def test_a_publish_that_fails_after_sigterm_is_skipped_so_that_the_step_can_be_checkpointed(tmp_path):
     class ServersGone:
         def publish(self, version: int) -> dict:
             raise ConnectionResetError("server 0 is gone")
 
-    notice = PreemptNotice()
-    master = SimpleNamespace(counter=SimpleNamespace(version=3), notice=notice, publisher=ServersGone())
+    guard = StepGuard()
+    master = SimpleNamespace(
+        counter=SimpleNamespace(version=3), guard=guard, publisher=ServersGone(), rundir=RunDir(tmp_path)
+    )
     with pytest.raises(ConnectionResetError):  # without a notice a failed publication fails the run
         Master.publish(master)
-    notice.urgent = True  # SIGTERM came while the servers took the weights
+    guard.notice.urgent = True  # SIGTERM came while the servers took the weights
     assert Master.publish(master) == {}
     assert master.counter.version == 5  # the trainers hold it; a resume republishes it

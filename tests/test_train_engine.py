@@ -10,9 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_hpc.config.schema import MicroBatchSpec, OptimizerConfig, TrainedModelConfig
-from areal_hpc.train.engine import TorchEngine, lr_factor, token_logprobs
+from areal_hpc.train.backends.torch.engine import TorchEngine
 from areal_hpc.train.microbatch import micro_batch_groups, micro_batches, minibatches
 from areal_hpc.train.models import ValueModel
+from areal_hpc.train.numerics import lr_factor, token_logprobs
 from areal_hpc.train.stats import StatsTracker
 
 LENGTHS = [9, 5, 13, 7, 4, 11]

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from areal_hpc.config.schema import MicroBatchSpec, OptimizerConfig, PPOConfig, TrainedModelConfig
 from areal_hpc.data.batch import read_batch, write_batch
 from areal_hpc.train import dist
-from areal_hpc.train.engine import TorchEngine
+from areal_hpc.train.backends.torch.engine import TorchEngine
 from areal_hpc.train.interfaces import (
     actor_inference,
     actor_train_step,

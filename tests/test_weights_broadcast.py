@@ -16,7 +16,7 @@ import torch
 
 from areal_hpc.config.schema import ExperimentConfig, TrainedModelConfig
 from areal_hpc.gen.client import GenClient, GenServerError
-from areal_hpc.train.engine import TorchEngine
+from areal_hpc.train.backends.torch.engine import TorchEngine
 from areal_hpc.train.worker import TrainerHandlers
 from areal_hpc.weights.bucket import plan_buckets
 from areal_hpc.weights.group import GroupTimeout, WeightGroup, host_store
@@ -39,7 +39,7 @@ def client(tiny_model_dir, tmp_path_factory):
     secret, address = run_dir / "secret", run_dir / "gen-0.json"
     secret.write_text(TOKEN)
     secret.chmod(0o600)
-    cmd = [sys.executable, "-m", "areal_hpc.gen.server", "--model-path", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "areal_hpc.gen.backends.builtin.server", "--model-path", str(tiny_model_dir)]
     cmd += ["--token-file", str(secret), "--address-file", str(address), "--seed", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from areal_hpc.control.manifest import MANIFEST, SnapshotError, verify_snapshot, write_manifest
+from areal_hpc.gen.backends.builtin.engine import Engine
+from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient, GenServerError
-from areal_hpc.gen.engine import Engine
-from areal_hpc.gen.server import App, GenHTTPServer
 from areal_hpc.weights.publisher import DiskPublisher
 from tests.test_weights_broadcast import GREEDY, PROMPT, check_greedy_under, perturbed_trainer
 

@@ -33,13 +33,13 @@ from areal_hpc.gen.client import GenClient  # noqa: E402
 
 @contextmanager
 def builtin_server(args: argparse.Namespace) -> Iterator[GenClient]:
-    """Start ``python -m areal_hpc.gen.server`` with a fresh secret; yield a client; SIGTERM it at the end."""
+    """Start ``python -m areal_hpc.gen.backends.builtin.server`` with a fresh secret; yield a client; SIGTERM it at the end."""
     with tempfile.TemporaryDirectory(prefix="bench-gen-") as run_dir:
         secret, address = Path(run_dir) / "secret", Path(run_dir) / "address.json"
         token = os.urandom(16).hex()
         secret.write_text(token)
         secret.chmod(0o600)
-        cmd = [sys.executable, "-m", "areal_hpc.gen.server", "--model-path", args.model_path]
+        cmd = [sys.executable, "-m", "areal_hpc.gen.backends.builtin.server", "--model-path", args.model_path]
         cmd += ["--token-file", str(secret), "--address-file", str(address), "--seed", "0"]
         cmd += ["--max-batch-size", str(args.max_batch_size), "--num-threads", str(args.num_threads)]
         cmd += ["--device", args.device]

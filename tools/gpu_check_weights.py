@@ -78,14 +78,18 @@ class Trainer:
             return {"master_address": "127.0.0.1", "master_port": port, "backend": self.backend}
         if type == "init_weight_group":
             plan = self.sender.join(
-                payload["world_size"], payload["backend"], self.model, torch.bfloat16, payload["bucket_bytes"]
+                payload["world_size"],
+                payload["backend"],
+                self.model.state_dict(),
+                torch.bfloat16,
+                payload["bucket_bytes"],
             )
             return {"buckets": plan_payload(plan)}
         if type == "broadcast_weights":
             if not self.send:
                 time.sleep(timeout + 5)
                 raise TimeoutError("this trainer was told not to send")
-            return self.sender.send(self.model)
+            return self.sender.send(self.model.state_dict())
         raise ValueError(type)
 
     def call_all(self, type: str, payload: dict) -> list:  # the disk mode's save
@@ -106,7 +110,7 @@ def start_server(
     cmd = [
         sys.executable,
         "-m",
-        "areal_hpc.gen.server",
+        "areal_hpc.gen.backends.builtin.server",
         "--model-path",
         str(model_dir),
         "--token-file",

@@ -1,17 +1,47 @@
-"""Configuration: the schema, YAML loading with overrides, validation and generated docs."""
+"""Configuration: the schema, YAML loading with overrides, validation, the backends' table, generated docs.
+
+schema    the dataclasses of every option (help text, choices, bounds); ConfigError, InputError
+loader    YAML files and `key=value` overrides into the schema, each value remembering its file:line
+checks    per-field bounds and choices, cross-field rules, allocation_mode against backends and cluster
+backends  the training and generation backends a config can name, and what each can do
+docs      docs/config.md and `areal-hpc config options`, rendered from the schema
+"""
 
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend
+from areal_hpc.config.checks import allocation_of
+from areal_hpc.config.docs import render_markdown, render_options
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
-from areal_hpc.config.schema import ConfigError, ExperimentConfig, InputError
+from areal_hpc.config.schema import (
+    ConfigError,
+    DatasetConfig,
+    ExpCtrlConfig,
+    ExperimentConfig,
+    InputError,
+    MicroBatchSpec,
+    ModelConfig,
+    OptimizerConfig,
+    PPOConfig,
+    TrainedModelConfig,
+)
 
 __all__ = [
     "GEN_BACKENDS",
     "TRAIN_BACKENDS",
     "Backend",
     "ConfigError",
+    "DatasetConfig",
+    "ExpCtrlConfig",
     "ExperimentConfig",
     "InputError",
+    "MicroBatchSpec",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PPOConfig",
+    "TrainedModelConfig",
+    "allocation_of",
     "dump_yaml",
     "load_config",
+    "render_markdown",
+    "render_options",
     "to_dict",
 ]

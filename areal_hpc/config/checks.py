@@ -119,6 +119,11 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
     return []
 
 
+def allocation_of(cfg: ExperimentConfig) -> alloc.Allocation:
+    """The allocation of a validated config on its cluster."""
+    return alloc.resolve_allocation(cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+
+
 def trainer_models(cfg: ExperimentConfig) -> dict[str, str]:
     """{model: its backend} of the models the trainer ranks host."""
     models = {"actor": cfg.actor.backend}

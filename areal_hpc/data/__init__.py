@@ -24,6 +24,8 @@ from areal_hpc.data.dataset import (
     ShardedSampler,
     load_prompt_dataset,
     read_prompt_records,
+    run_steps,
+    training_prompts,
 )
 from areal_hpc.data.sft import sft_arrays
 from areal_hpc.data.store import RolloutStore
@@ -43,7 +45,9 @@ __all__ = [
     "read_batch",
     "read_keys",
     "read_prompt_records",
+    "run_steps",
     "select",
     "sft_arrays",
+    "training_prompts",
     "write_batch",
 ]

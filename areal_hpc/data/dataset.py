@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_hpc.config import InputError
+from areal_hpc.config import DatasetConfig, ExpCtrlConfig, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,26 @@ def load_prompt_dataset(
             max_prompt_len,
         )
     return PromptDataset(Path(path), samples, n_dropped, max_prompt_len)
+
+
+def training_prompts(ds: DatasetConfig, tokenizer: Any) -> PromptDataset:
+    """The training prompts of `ds`; InputError when fewer than one step's batch are short enough to keep."""
+    dataset = load_prompt_dataset(ds.path, tokenizer, ds.max_prompt_len, ds.apply_chat_template)
+    if len(dataset) < ds.train_bs_n_seqs:
+        raise InputError(
+            f"'dataset.path': {len(dataset)} of the {len(dataset) + dataset.n_dropped} prompts of {ds.path} have at "
+            f"most dataset.max_prompt_len={ds.max_prompt_len} tokens, fewer than one step's "
+            f"dataset.train_bs_n_seqs={ds.train_bs_n_seqs}"
+        )
+    return dataset
+
+
+def run_steps(exp_ctrl: ExpCtrlConfig, n_prompts: int, batch_size: int) -> tuple[int, int]:
+    """(steps per epoch, steps of the whole run): whole batches of the prompts (the rest waits for the next
+    epoch's shuffle), total_train_epochs of them, at most benchmark_steps."""
+    per_epoch = n_prompts // batch_size
+    total = per_epoch * exp_ctrl.total_train_epochs
+    return per_epoch, total if exp_ctrl.benchmark_steps is None else min(total, exp_ctrl.benchmark_steps)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,17 @@
+"""Generation: the client of a generation server, the rollouts (synchronous, and the rollout role's), the
+generation manager, interruptible answers, and the servers behind one seam (`gen.backends`). The roles' entry
+points are `gen.server_role` and `gen.rollout_role`.
+
+client          GenClient: SGLang's HTTP API, every call with a timeout and an error naming the route
+discovery       servers announce their address in the run directory; clients wait for them
+rollout         one synchronous step: prompts -> servers -> math reward -> a packed batch file
+rollout_worker  the rollout workers of asynchronous RL
+manager         GenerationManager: the staleness bound and the choice of server
+partial         answers continued across weight updates (interruptible generation)
+"""
+
+from areal_hpc.gen import discovery
+from areal_hpc.gen.client import GenClient, GenServerError
+from areal_hpc.gen.rollout import prompt_seed, rollout_step, sampling_params
+
+__all__ = ["GenClient", "GenServerError", "discovery", "prompt_seed", "rollout_step", "sampling_params"]

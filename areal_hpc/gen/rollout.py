@@ -14,9 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.config.schema import ExperimentConfig
-from areal_hpc.data.batch import write_batch
-from areal_hpc.data.dataset import PromptSample
+from areal_hpc.config import ExperimentConfig
+from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.partial import PartialAnswer, from_response
 
 

@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from areal_hpc.config.schema import ExperimentConfig
-from areal_hpc.control.ledger import Ledger
-from areal_hpc.data.batch import read_attrs
-from areal_hpc.data.dataset import PromptDataset, PromptSample, ShardedSampler
-from areal_hpc.data.store import RolloutStore
+from areal_hpc.config import ExperimentConfig
+from areal_hpc.control import Ledger
+from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSampler, read_attrs
 from areal_hpc.gen.manager import GenerationManager
 from areal_hpc.gen.partial import generate_group
 from areal_hpc.gen.rollout import pack_groups, prompt_seed, sampling_params, scores

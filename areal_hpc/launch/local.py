@@ -1,9 +1,10 @@
 """`areal-hpc run`: every role of a run as a local process, supervised until the run completes or fails.
 
 Roles meet only through the run directory, HTTP and torch.distributed, exactly as under Slurm; this module
-only starts them, shows progress, and stops them all when one fails or the user presses Ctrl-C. A failed
-attempt is restarted up to `recover_retries` times (unless recover_mode is disabled), as a Slurm job
-requeues itself; the controller then resumes from the newest recover checkpoint.
+only starts them (the tasks `role_tasks` plans, as a Slurm job would), shows progress, and stops them all when
+one fails or the user presses Ctrl-C. A failed attempt is restarted up to `recover_retries` times (unless
+recover_mode is disabled, or the failure would repeat: bad config or inputs), as a Slurm job requeues itself;
+the controller then resumes from the newest recover checkpoint.
 """
 
 from __future__ import annotations
@@ -19,20 +20,28 @@ from pathlib import Path
 from typing import TextIO
 
 from areal_hpc import alloc
-from areal_hpc.config import ExperimentConfig
-from areal_hpc.control.rundir import RunDir, create_run_dir
-from areal_hpc.control.status import ABORTED, COMPLETE, abort, get_status
+from areal_hpc.config import ExperimentConfig, allocation_of
+from areal_hpc.control import (
+    ABORTED,
+    COMPLETE,
+    LAUNCHER_ENV,
+    RunDir,
+    abort,
+    create_run_dir,
+    get_status,
+    task_name,
+)
+from areal_hpc.launch.plan import role_tasks
 from areal_hpc.launch.preflight import check_inputs
-from areal_hpc.launch.roles import LAUNCHER_ENV
-from areal_hpc.monitor.progress import Progress
-from areal_hpc.recover.attempt import ATTEMPT_ENV, begin_attempt
+from areal_hpc.monitor import Progress
+from areal_hpc.recover import ATTEMPT_ENV, begin_attempt
 
 STOP_GRACE_SECS = 5.0
 
 
 @dataclass
 class Role:
-    name: str  # controller | gen_server<i> | trainer<r>
+    name: str  # controller | rollout | gen_server<i> | trainer<r>
     argv: list[str]
     env: dict[str, str]  # the job environment the role reads its index from
     process: subprocess.Popen | None = None
@@ -43,25 +52,22 @@ class Role:
 
 
 def plan_roles(cfg: ExperimentConfig, run: RunDir) -> list[Role]:
-    """The processes of a run: one generation server per TP group, one trainer per rank, the controller."""
-    allocation = alloc.resolve_allocation(
-        cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    )
-    servers = allocation.gen_servers()  # one per TP group of the generation layout
+    """The processes of a run: the tasks of every role that `role_tasks` plans, as a Slurm job starts them."""
+    allocation = allocation_of(cfg)
     entry = [sys.executable, "-m", "areal_hpc.launch.roles", "--run-dir", str(run.root)]
-    roles = [
-        Role(f"gen_server{i}", [*entry, "gen_server"], task_env(i, len(servers), s.gpus))
-        for i, s in enumerate(servers)
+    return [
+        Role(task_name(role, i), [*entry, role], task_env(i, n, task_gpus(allocation, role, i)))
+        for role, n in role_tasks(cfg, allocation).items()
+        for i in range(n)
     ]
-    n_trainers, train_gpus = allocation.n_train_gpus, allocation.layout("actor_train").gpus
-    roles += [
-        Role(f"trainer{r}", [*entry, "trainer"], task_env(r, n_trainers, train_gpus))
-        for r in range(n_trainers)
-    ]
-    if cfg.async_rl and cfg.experiment_type == "ppo":
-        roles.append(Role("rollout", [*entry, "rollout"], task_env(0, 1)))
-    roles.append(Role("controller", [*entry, "controller"], task_env(0, 1)))
-    return roles
+
+
+def task_gpus(allocation: alloc.Allocation, role: str, index: int) -> tuple[int, ...]:
+    """The GPUs a task sees: a server its tensor-parallel group, a trainer rank every training GPU (it picks
+    its own by rank), the CPU roles none."""
+    if role == "gen_server":
+        return allocation.gen_servers()[index].gpus
+    return allocation.layout("actor_train").gpus if role == "trainer" else ()
 
 
 def task_env(index: int, n_tasks: int, gpus: tuple[int, ...] = ()) -> dict[str, str]:
@@ -153,13 +159,21 @@ def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
     run = create_run_dir(cfg)
     print(f"run directory: {run.root}", file=out)
     restarts = 0 if cfg.recover_mode == "disabled" else cfg.recover_retries
-    for restart in range(restarts + 1):
-        code, message = run_attempt(cfg, run, out)
-        if code in (0, 130) or restart == restarts:
-            break
-        print(f"areal-hpc run: {message.splitlines()[0]}; restarting in {cfg.recover_after} s "
-              f"(restart {restart + 1} of {restarts})", file=sys.stderr)  # fmt: skip
-        time.sleep(cfg.recover_after)
+    # Ctrl-C must reach us even when started with SIGINT ignored (a shell's background job).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for restart in range(restarts + 1):
+            code, message = run_attempt(cfg, run, out)
+            status = get_status(run)
+            if code in (0, 130) or restart == restarts or (status is not None and status.permanent):
+                break
+            print(f"areal-hpc run: {message.splitlines()[0]}; restarting in {cfg.recover_after} s "
+                  f"(restart {restart + 1} of {restarts})", file=sys.stderr)  # fmt: skip
+            time.sleep(cfg.recover_after)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if code not in (0, 130) and status is not None and status.permanent:
+        message += "\nnot restarted: a new attempt would fail alike (fix the config or the inputs)"
     print(f"areal-hpc run: {message}", file=out if code == 0 else sys.stderr)
     return code
 
@@ -170,7 +184,7 @@ def run_attempt(cfg: ExperimentConfig, run: RunDir, out: TextIO) -> tuple[int, s
     roles = plan_roles(cfg, run)
     print(f"attempt {attempt}: roles {', '.join(r.name for r in roles)} (logs in {run.attempt_logs(attempt)})",
           file=out)  # fmt: skip
-    progress = Progress(run, out)
+    progress = Progress(run, out if cfg.logging.progress else None)
     try:
         start(roles, run, attempt)
         code, message = supervise(roles, run, attempt, progress)

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc import alloc
-from areal_hpc.config import ExperimentConfig
-from areal_hpc.control.rundir import RunDir
-
-SINGLE_ROLES = ("controller", "rollout")  # one process per run: logs without a task number
+from areal_hpc.config import ExperimentConfig, allocation_of
+from areal_hpc.control import SINGLE_ROLES, RunDir
 
 
 class PlanError(ValueError):
@@ -30,7 +28,7 @@ class PlanError(ValueError):
 class Step:
     """One `srun`: `ntasks` copies of a role; each learns its index from SLURM_PROCID."""
 
-    role: str  # gen_server | trainer | controller
+    role: str  # gen_server | trainer | controller | rollout
     nodes: int
     ntasks: int
     gpus_per_node: int
@@ -90,11 +88,19 @@ class LaunchPlan:
         return "hetjob" if len(self.jobs[0].components) > 1 else "single"
 
 
+def role_tasks(cfg: ExperimentConfig, allocation: alloc.Allocation) -> dict[str, int]:
+    """The roles of a run and the tasks of each: the one plan of both launchers (Slurm steps here, local
+    processes in `launch.local`), which a role checks its task count against."""
+    tasks = {"gen_server": len(allocation.gen_servers()), "trainer": allocation.n_train_gpus, "controller": 1}
+    if cfg.experiment_type == "ppo" and cfg.async_rl:
+        tasks["rollout"] = 1  # generation manager, rollout workers and verifier, beside the controller
+    return tasks
+
+
 def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None) -> LaunchPlan:
     """The jobs that run `cfg` in `run`; raises PlanError when the allocation cannot be laid out."""
-    allocation = alloc.resolve_allocation(
-        cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    )
+    allocation = allocation_of(cfg)
+    tasks = role_tasks(cfg, allocation)
     slurm = cfg.cluster.slurm
     gen_nodes = sorted({s.node for s in allocation.gen_servers()})
     train_nodes = sorted({g // allocation.n_gpus_per_node for g in allocation.layout("actor_train").gpus})
@@ -114,9 +120,7 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
         _gen_step(cfg, allocation, len(gen_nodes)),
         _train_step(cfg, allocation, len(train_nodes)),
     )
-    controller = Step("controller", 1, 1, 0, 1, overlap=True)
-    # Asynchronous RL: the rollout role (CPU: generation manager, rollout workers, verifier) beside it.
-    side = (controller, Step("rollout", 1, 1, 0, 1, overlap=True)) if cfg.async_rl else (controller,)
+    side = tuple(Step(role, 1, 1, 0, 1, overlap=True) for role in tasks if role in SINGLE_ROLES)
     name = f"{cfg.experiment_name}_{cfg.trial_name}"
     if shared:  # one node
         steps = (gen_step, train_step, *side)

@@ -8,12 +8,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from areal_hpc.control import fsio
-from areal_hpc.control.rundir import RunDir
-from areal_hpc.control.status import get_status
+from areal_hpc.control import RunDir, fsio, get_status
 from areal_hpc.launch import slurm
-from areal_hpc.monitor.progress import progress_line
-from areal_hpc.recover.checkpoint import Checkpoints
+from areal_hpc.monitor import progress_line
+from areal_hpc.recover import Checkpoints
 
 DEFAULT_FILEROOT = "~/areal_hpc"
 

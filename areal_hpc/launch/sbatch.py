@@ -12,8 +12,9 @@ from pathlib import Path
 import jinja2
 
 from areal_hpc.config import ExperimentConfig
+from areal_hpc.control import EXIT_PERMANENT
 from areal_hpc.launch.plan import Job, LaunchPlan, Step
-from areal_hpc.recover.signals import EXIT_PREEMPTED
+from areal_hpc.recover import EXIT_PREEMPTED
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
 
@@ -71,6 +72,7 @@ def render(plan: LaunchPlan, job: Job, cfg: ExperimentConfig, version: str, atte
                 "retries": cfg.recover_retries,
                 "after": cfg.recover_after,
                 "preempted_code": EXIT_PREEMPTED,
+                "permanent_code": EXIT_PERMANENT,
             },
         )
     )

@@ -18,15 +18,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from areal_hpc.config import ExperimentConfig
-from areal_hpc.control import fsio
-from areal_hpc.control.rundir import RunDir, create_run_dir, default_trial_name, run_dir_of
+from areal_hpc.control import RunDir, create_run_dir, default_trial_name, fsio, run_dir_of
 from areal_hpc.launch import slurm
 from areal_hpc.launch.plan import LaunchPlan, PlanError, launch_plan
 from areal_hpc.launch.preflight import check_inputs
 from areal_hpc.launch.sbatch import code_version, render
-from areal_hpc.recover.attempt import begin_attempt, next_attempt
-from areal_hpc.recover.checkpoint import Checkpoints
-from areal_hpc.recover.state import RecoverError, resumes
+from areal_hpc.recover import Checkpoints, RecoverError, begin_attempt, next_attempt, resumes
 
 
 class RecoverRefused(ValueError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_hpc.algo.packing import balanced_partition
+from areal_hpc.algo import balanced_partition
 from areal_hpc.master.buffer import SampleMeta
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.config import ExperimentConfig
 
 # Keys a step's prompts bring before any call runs.
 DATASET_KEYS = ("packed_prompts", "task_ids")

@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from areal_hpc.control.heartbeat import dead_workers
-from areal_hpc.control.mailbox import Mailbox, ReplyTimeout
-from areal_hpc.control.rundir import RunDir
+from areal_hpc.control import Mailbox, ReplyTimeout, RunDir, dead_workers
 
 
 class WorkerDied(RuntimeError):

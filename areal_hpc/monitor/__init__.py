@@ -1,0 +1,22 @@
+"""What users look at: per-step statistics, the progress line, the end-of-run summary.
+
+stats     stats.jsonl (one JSON line per step) and the original's step log line
+progress  progress.json (the master's side) and the progress line (the launcher's and `status`'s side)
+summary   did the policy learn? the summary table of `make demo`
+"""
+
+from areal_hpc.monitor.progress import Progress, progress_line, write_progress
+from areal_hpc.monitor.stats import StatsLog, format_secs, read_stats, step_line
+from areal_hpc.monitor.summary import format_table, learning_summary
+
+__all__ = [
+    "Progress",
+    "StatsLog",
+    "format_secs",
+    "format_table",
+    "learning_summary",
+    "progress_line",
+    "read_stats",
+    "step_line",
+    "write_progress",
+]

@@ -18,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from areal_hpc.control.rundir import RunDir
+from areal_hpc.control import RunDir
 
 ATTEMPT_ENV = "AREAL_ATTEMPT"
 EXIT_FINISHED = 3

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from areal_hpc.control.manifest import SnapshotError, verify_snapshot, write_manifest
+from areal_hpc.control import SnapshotError, verify_snapshot, write_manifest
 
 logger = logging.getLogger("recover")
 KIND = "recover"

@@ -15,8 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from areal_hpc.control import fsio
-from areal_hpc.control.rundir import RunDir
+from areal_hpc.control import RunDir, fsio
 from areal_hpc.recover.checkpoint import Checkpoints
 
 _GLOBAL_STEP = re.compile(r"globalstep(\d+)$")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_hpc.config.schema import ExperimentConfig
+from areal_hpc.config import ExperimentConfig
 
 # The settings a checkpoint's data layout depends on: resuming across a change would mix incompatible data.
 IDENTITY_FIELDS = (

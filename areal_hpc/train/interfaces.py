@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from areal_hpc.algo.advantages import compute_advantages, response_mask
-from areal_hpc.algo.ppo import actor_loss, critic_loss
-from areal_hpc.config.schema import MicroBatchSpec, PPOConfig
-from areal_hpc.data.batch import CU
+from areal_hpc.algo import actor_loss, compute_advantages, critic_loss, response_mask
+from areal_hpc.config import MicroBatchSpec, PPOConfig
+from areal_hpc.data import CU
 from areal_hpc.train import dist
-from areal_hpc.train.engine import LossFn, TorchEngine, token_logprobs
+from areal_hpc.train.backends import TrainEngine
 from areal_hpc.train.microbatch import micro_batches, minibatches
+from areal_hpc.train.numerics import LossFn, token_logprobs
 from areal_hpc.train.stats import StatsTracker
 
 Batch = Mapping[str, np.ndarray]
@@ -38,7 +38,7 @@ ACTOR_TOTALS = (
 
 
 def actor_inference(
-    engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec, temperature: float
+    engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec, temperature: float
 ) -> dict[str, np.ndarray]:
     """actor_inf: ``proximal_logprobs`` under the current weights (logits divided by the generation
     temperature)."""
@@ -46,13 +46,13 @@ def actor_inference(
 
 
 def ref_inference(
-    engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec, temperature: float
+    engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec, temperature: float
 ) -> dict[str, np.ndarray]:
     """ref_inf: ``packed_ref_logprobs`` of the reference model (same temperature as the actor)."""
     return {"packed_ref_logprobs": engine.logprobs(batch, temperature, mb_spec).numpy()}
 
 
-def critic_inference(engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, np.ndarray]:
+def critic_inference(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, np.ndarray]:
     """critic_inf: ``values`` of the prefix ending at each token."""
     return {"values": engine.values(batch, mb_spec).numpy()}
 
@@ -126,7 +126,7 @@ def _sequence_stats(tracker: StatsTracker, batch: Batch, global_step: int | None
 
 
 def _train_minibatches(
-    engine: TorchEngine,
+    engine: TrainEngine,
     batch: Batch,
     n_minibatches: int,
     mb_spec: MicroBatchSpec,
@@ -147,7 +147,7 @@ def _train_minibatches(
 
 
 def actor_train_step(
-    engine: TorchEngine,
+    engine: TrainEngine,
     batch: Batch,
     ppo: PPOConfig,
     mb_spec: MicroBatchSpec,
@@ -195,7 +195,7 @@ def actor_train_step(
 
 
 def critic_train_step(
-    engine: TorchEngine, batch: Batch, ppo: PPOConfig, mb_spec: MicroBatchSpec
+    engine: TrainEngine, batch: Batch, ppo: PPOConfig, mb_spec: MicroBatchSpec
 ) -> dict[str, float]:
     """critic_train: clipped value loss towards the GAE returns, ``ppo_n_minibatches`` updates; ``ppo_critic/``."""
     _require(batch, _rl_keys(ppo, values=True), "critic_train")
@@ -222,7 +222,7 @@ def critic_train_step(
     return tracker.reduce("ppo_critic")
 
 
-def sft_train_step(engine: TorchEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, float]:
+def sft_train_step(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, float]:
     """sft_train: one optimizer step of next-token NLL on the answer tokens (``prompt_mask`` False), normalised
     by the answer tokens of all ranks. Returns ``sft/loss`` (mean NLL before the update), ``sft/ppl``,
     ``sft/n_tokens``, ``sft/grad_norm`` and ``sft/lr``."""

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from areal_hpc.algo.packing import balanced_partition, ffd_pack, seq_index, split_minibatches
-from areal_hpc.config.schema import MicroBatchSpec
-from areal_hpc.data.batch import CU, select
+from areal_hpc.algo import balanced_partition, ffd_pack, seq_index, split_minibatches
+from areal_hpc.config import MicroBatchSpec
+from areal_hpc.data import CU, select
 
 Batch = Mapping[str, np.ndarray]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from areal_hpc.algo.ppo import MaskedStat
+from areal_hpc.algo import MaskedStat
 from areal_hpc.train import dist
 
 

@@ -16,22 +16,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from areal_hpc import alloc
-from areal_hpc.config.schema import ExperimentConfig
-from areal_hpc.control.rundir import RunDir
-from areal_hpc.control.worker import WorkerServer
-from areal_hpc.data.batch import CU, gather, write_batch
-from areal_hpc.master.trainers import trainer_name
+from areal_hpc.config import ExperimentConfig
+from areal_hpc.control import RunContext, WorkerServer, task_name
+from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
-from areal_hpc.train.engine import TorchEngine
+from areal_hpc.train.backends import TrainEngine, make_engine
 from areal_hpc.train.rng import rng_state, set_rng_state
-from areal_hpc.weights.sender import WeightSender, plan_payload
+from areal_hpc.weights import WeightSender, plan_payload
 
 logger = logging.getLogger("trainer")
 
@@ -42,7 +38,7 @@ class TrainerHandlers:
     def __init__(self, cfg: ExperimentConfig, rank: int, world_size: int, host: str = "127.0.0.1"):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.host = host  # where the servers reach this rank's weight-group store
-        self.engines: dict[str, TorchEngine] = {}
+        self.engines: dict[str, TrainEngine] = {}
         self.weight_sender = WeightSender()
 
     def model_config(self, payload: Any) -> dict:
@@ -53,12 +49,12 @@ class TrainerHandlers:
         cfg = self.cfg
         n_minibatches = 1 if cfg.experiment_type == "sft" else cfg.ppo.ppo_n_minibatches
         total = payload["total_train_steps"] * n_minibatches
-        self.engines["actor"] = TorchEngine(cfg.actor, total, cfg.seed)
+        self.engines["actor"] = make_engine(cfg.actor, total, cfg.seed)
         if cfg.experiment_type == "ppo" and cfg.ppo.kl_ctl > 0:
             ref = cfg.ref if cfg.ref.path else dataclasses.replace(cfg.ref, path=cfg.actor.path)
-            self.engines["ref"] = TorchEngine(ref, None, cfg.seed)
+            self.engines["ref"] = make_engine(ref, None, cfg.seed)
         if cfg.experiment_type == "ppo" and not cfg.ppo.disable_value:
-            self.engines["critic"] = TorchEngine(cfg.critic, total, cfg.seed, critic=True)
+            self.engines["critic"] = make_engine(cfg.critic, total, cfg.seed, critic=True)
         logger.info("rank %d/%d loaded %s", self.rank, self.world_size, sorted(self.engines))
         return {"models": sorted(self.engines)}
 
@@ -108,9 +104,9 @@ class TrainerHandlers:
     def recover_save(self, payload: dict) -> dict:
         """This rank's part of a recover checkpoint in folder `dir`: the state of every trained model
         (weights, optimizer, LR schedule) and the rank's random generators."""
-        path = Path(payload["dir"]) / f"{trainer_name(self.rank)}.pt"
+        path = Path(payload["dir"]) / f"{task_name('trainer', self.rank)}.pt"
         state = {
-            "engines": {name: e.state_dict() for name, e in self.engines.items() if e.optimizer},
+            "engines": {name: e.state_dict() for name, e in self.engines.items() if e.trainable},
             "rng": rng_state(),
         }
         tmp = path.with_name(f".{path.name}.tmp")
@@ -120,7 +116,7 @@ class TrainerHandlers:
 
     def recover_load(self, payload: dict) -> dict:
         """Restore what `recover_save` wrote into folder `dir`."""
-        path = Path(payload["dir"]) / f"{trainer_name(self.rank)}.pt"
+        path = Path(payload["dir"]) / f"{task_name('trainer', self.rank)}.pt"
         state = torch.load(path, map_location="cpu", weights_only=False)
         for name, engine_state in state["engines"].items():
             self.engines[name].load_state_dict(engine_state)
@@ -141,14 +137,18 @@ class TrainerHandlers:
         self._only_rank0("init_weight_group")
         actor = self.engines["actor"]
         buckets = self.weight_sender.join(
-            payload["world_size"], payload["backend"], actor.model, actor.dtype, payload["bucket_bytes"]
+            payload["world_size"],
+            payload["backend"],
+            actor.hf_weights(),
+            actor.dtype,
+            payload["bucket_bytes"],
         )
         return {"buckets": plan_payload(buckets)}
 
     def broadcast_weights(self, payload: dict) -> dict:
         """Broadcast the actor's current weights as planned; `{"bytes", "buckets", "secs"}`."""
         self._only_rank0("broadcast_weights")
-        return self.weight_sender.send(self.engines["actor"].model)
+        return self.weight_sender.send(self.engines["actor"].hf_weights())
 
     def destroy_weight_group(self, payload: Any) -> dict:
         self.weight_sender.close()
@@ -159,18 +159,13 @@ class TrainerHandlers:
             raise RuntimeError(f"{request} is for trainer rank 0 (the publishing rank), not rank {self.rank}")
 
 
-def serve_trainer(run: RunDir, rank: int) -> None:
+def serve_trainer(ctx: RunContext) -> None:
     """Join the trainer process group, then serve this rank's mailbox until the master says stop."""
-    cfg = run.load_config()
-    allocation = alloc.resolve_allocation(
-        cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
-    )
-    world_size = allocation.n_train_gpus
-    dist.init_distributed(rank, world_size, run.dist_init)
-    host = "127.0.0.1" if os.environ.get("SUBMITIT_EXECUTOR") == "local" else socket.gethostname()
-    handlers = TrainerHandlers(cfg, rank, world_size, host)
+    rank, world_size = ctx.index, ctx.n_tasks
+    dist.init_distributed(rank, world_size, ctx.run.dist_init)
+    handlers = TrainerHandlers(ctx.cfg, rank, world_size, ctx.public_host)
     try:
-        WorkerServer(run, trainer_name(rank), handlers).serve()
+        WorkerServer(ctx.run, ctx.name, handlers).serve()
     finally:
         handlers.weight_sender.close()
         dist.destroy()

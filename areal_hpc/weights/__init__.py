@@ -1,6 +1,26 @@
 """Weight publication from the trainer to the generation servers.
 
-``bucket`` (plan, flatten, unflatten; pure), ``group`` (the process group of trainer rank 0 and the servers),
-``sender`` (trainer rank 0), ``receiver`` (a server), ``disk`` (snapshot manifests), ``publisher`` (the
-controller: ``publish(version) -> stats`` per ``weight_update_mode``).
+bucket     the bucket plan, flatten and unflatten (pure)
+group      the process group of trainer rank 0 and the servers (SGLang's weight-update group)
+sender     trainer rank 0's end
+receiver   a server's end
+publisher  the controller's end: `publish(version) -> stats` as weight_update_mode says (broadcast, disk)
 """
+
+from areal_hpc.weights.bucket import FieldError, metas_from_fields
+from areal_hpc.weights.publisher import BroadcastPublisher, DiskPublisher, WeightSyncError, make_publisher
+from areal_hpc.weights.receiver import FLATTENED, ReceiverGroups
+from areal_hpc.weights.sender import WeightSender, plan_payload
+
+__all__ = [
+    "FLATTENED",
+    "BroadcastPublisher",
+    "DiskPublisher",
+    "FieldError",
+    "ReceiverGroups",
+    "WeightSender",
+    "WeightSyncError",
+    "make_publisher",
+    "metas_from_fields",
+    "plan_payload",
+]

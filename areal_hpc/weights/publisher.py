@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from areal_hpc.control.manifest import read_manifest, snapshot_bytes
+from areal_hpc.control import read_manifest, snapshot_bytes
 from areal_hpc.weights.receiver import FLATTENED
 
 log = logging.getLogger(__name__)
@@ -210,10 +210,10 @@ class DiskPublisher:
 
 
 def make_publisher(cfg, run, trainers, clients: Sequence):
-    """The publisher of ``cfg.weight_update_mode`` for a run (``run.weights(version)`` names snapshots)."""
+    """The publisher of ``cfg.weight_update_mode`` for a run (``run.weight_snapshot(version)`` names snapshots)."""
     timeout, interrupt = cfg.weight_update_timeout_secs, cfg.interruptible_generation
     if cfg.weight_update_mode == "disk":
-        return DiskPublisher(run.weights, trainers, clients, timeout, interrupt)
+        return DiskPublisher(run.weight_snapshot, trainers, clients, timeout, interrupt)
     if cfg.weight_update_mode == "broadcast":
         return BroadcastPublisher(trainers, clients, timeout, cfg.weight_update_bucket_mb * 2**20, interrupt)
     raise ValueError(f"unknown weight_update_mode {cfg.weight_update_mode!r}")

@@ -1,7 +1,7 @@
 """The trainer's end of weight publication: trainer rank 0 hosts the group's store, joins as rank 0 and
 broadcasts the actor's weights bucket by bucket.
 
-What is sent is the HF model's ``state_dict()``: its names (``model.layers.0.self_attn.q_proj.weight``), in
+What is sent is the engine's ``hf_weights()``, the HF model's state dict: its names (``model.layers.0.self_attn.q_proj.weight``), in
 its order, cast to the configured dtype. Tied weights appear under each name the state dict gives them
 (``model.embed_tokens.weight`` and ``lm_head.weight`` of a tied Qwen2); a receiver that copies by name into
 its own state dict writes the same values into the one shared tensor twice, which is consistent.
@@ -19,11 +19,6 @@ from areal_hpc.weights.bucket import TensorMeta, bucket_fields, flatten, plan_bu
 from areal_hpc.weights.group import WeightGroup, host_store
 
 log = logging.getLogger(__name__)
-
-
-def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The HF state dict of ``model`` (its order; tied weights under every name)."""
-    return dict(model.state_dict())
 
 
 def weight_metas(weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[TensorMeta]:
@@ -71,25 +66,25 @@ class WeightSender:
         self,
         world_size: int,
         backend: str,
-        model: torch.nn.Module,
+        weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype | None,
         bucket_bytes: int,
     ) -> list[list[TensorMeta]]:
-        """Join as rank 0 (waits for every server rank) and plan the buckets of ``model``'s weights."""
+        """Join as rank 0 (waits for every server rank) and plan the buckets of ``weights``."""
         if self.store is None:
             raise RuntimeError("open the weight group's store first (request weight_group_store)")
-        self.buckets = plan_buckets(weight_metas(model_weights(model), dtype), bucket_bytes)
+        self.buckets = plan_buckets(weight_metas(weights, dtype), bucket_bytes)
         self.group = WeightGroup(self.store, self.name, 0, world_size, backend, self.timeout_s)
         log.info("%s: joined; %d buckets", self.group, len(self.buckets))
         return self.buckets
 
-    def send(self, model: torch.nn.Module) -> dict:
-        """Broadcast ``model``'s weights as planned; ``{"bytes", "buckets", "secs"}``."""
+    def send(self, weights: Mapping[str, torch.Tensor]) -> dict:
+        """Broadcast ``weights`` as planned; ``{"bytes", "buckets", "secs"}``."""
         if self.group is None:
             raise RuntimeError("the weight group is not set up (request init_weight_group first)")
         start = time.monotonic()
         with torch.no_grad():
-            sent = send_buckets(self.group, model_weights(model), self.buckets)
+            sent = send_buckets(self.group, weights, self.buckets)
         return {"bytes": sent, "buckets": len(self.buckets), "secs": time.monotonic() - start}
 
     def close(self) -> None:

@@ -94,6 +94,10 @@ fail() {
     if [ -n "$terminated" ]; then
         echo "areal-hpc: the job was terminated (scancel, time limit or preemption): not requeued" >&2
         exit "$1"
+    elif [ "$1" = 78 ] || grep -qs '"permanent":true' "$AREAL_RUN_DIR/status.json"; then
+        echo "areal-hpc: attempt $attempt failed in a way a new attempt would repeat (config, inputs, checkpoint):" \
+            "the job is not requeued; fix it, then: areal-hpc submit --recover $AREAL_RUN_DIR" >&2
+        exit "$1"
     elif [ "$1" = 75 ]; then
         echo "areal-hpc: attempt $attempt stopped on a preemption or time-limit notice after writing a recover" \
             "checkpoint; requeueing job ${SLURM_JOB_ID} (not counted against recover_retries)" >&2

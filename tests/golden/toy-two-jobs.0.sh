@@ -7,7 +7,7 @@
 #SBATCH --output=/shared/runs/toy-cpu/golden/slurm/%j_0_log.out
 #SBATCH --error=/shared/runs/toy-cpu/golden/slurm/%j_0_log.err
 #SBATCH --open-mode=append
-#SBATCH --requeue
+#SBATCH --no-requeue
 #SBATCH --signal=B:USR2@120
 #SBATCH --comment=areal_hpc-0.0-golden
 #SBATCH --partition=gen

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_hpc.control.manifest import verify_snapshot
-from areal_hpc.gen import kv
-from areal_hpc.gen.batch import Batch, Row
-from areal_hpc.gen.protocol import RequestError, SamplingParams
+from areal_hpc.control import verify_snapshot
+from areal_hpc.gen.backends.builtin import kv
+from areal_hpc.gen.backends.builtin.batch import Batch, Row
+from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,18 @@ Routes (JSON bodies; every route but ``/health`` needs ``Authorization: Bearer <
 
 Usage::
 
-    python -m areal_hpc.gen.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
+    python -m areal_hpc.gen.backends.builtin.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
         [--address-file A] [--seed S] [--max-batch-size N] [--device cpu] [--dtype float32]
 
 Once it serves, ``{"url", "pid", "host", "port"}`` is written to the address file (tmp + rename); SIGTERM or
-SIGINT stop it cleanly (in-flight requests answer with finish reason abort) and remove that file.
+SIGINT stop it cleanly (in-flight requests answer with finish reason abort) and remove that file. The gen_server
+role starts it in its own process with ``start(spec)`` instead (areal_hpc.gen.backends).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import json
 import logging
@@ -46,12 +48,12 @@ from urllib.parse import urlsplit
 
 import torch
 
-from areal_hpc.gen.engine import Engine, Request
-from areal_hpc.gen.protocol import RequestError, format_output, parse_generate
-from areal_hpc.weights.bucket import FieldError, metas_from_fields
-from areal_hpc.weights.receiver import FLATTENED, ReceiverGroups
+from areal_hpc.gen.backends import ServerSpec
+from areal_hpc.gen.backends.builtin.engine import Engine, Request
+from areal_hpc.gen.backends.builtin.protocol import RequestError, format_output, parse_generate
+from areal_hpc.weights import FLATTENED, FieldError, ReceiverGroups, metas_from_fields
 
-log = logging.getLogger("areal_hpc.gen.server")
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 PUBLIC_ROUTES = {"/health"}
@@ -332,10 +334,61 @@ class GenHTTPServer(ThreadingHTTPServer):
         self.app, self.token = app, token.encode()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m areal_hpc.gen.server", description=__doc__.split("\n")[0])
+class BuiltinServer:
+    """A started built-in server: the engine's thread and the HTTP server's thread, in this process."""
+
+    def __init__(self, spec: ServerSpec):
+        token = read_token(spec.token_file)  # before the slow model load: a bad secret fails fast
+        if spec.tp_size != 1:
+            raise ServerSetupError(
+                f"the built-in server runs on one device, not tensor parallel {spec.tp_size}"
+            )
+        if spec.device.startswith("cuda"):
+            # cuDNN attention builds a plan per new KV length: ~30 ms per decode step on an H200 (10x slower).
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        if spec.device == "cpu" and spec.cpu_threads > 0:
+            torch.set_num_threads(spec.cpu_threads)
+        self.engine = Engine(
+            spec.model_path, device=spec.device, dtype=spec.dtype, seed=spec.seed,
+            max_batch_size=spec.max_running_requests, weight_version=spec.weight_version,
+        ).start()  # fmt: skip
+        args = {k: v for k, v in dataclasses.asdict(spec).items() if k != "token_file"}
+        args.update(
+            dtype=str(self.engine.dtype).removeprefix("torch."), context_length=self.engine.context_len
+        )
+        self.httpd = GenHTTPServer((spec.host, spec.port), App(self.engine, args), token)
+        # The address other nodes reach: the host name when bound to every interface.
+        self.host = socket.gethostname() if spec.host in ("0.0.0.0", "") else spec.host
+        self.port = self.httpd.server_address[1]
+        args.update(host=self.host, port=self.port)
+        self.url = f"http://{self.host}:{self.port}"
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True
+        )
+        self._thread.start()
+        log.info("serving %s at %s (pid %d)", spec.model_path, self.url, os.getpid())
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.engine.alive
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.engine.stop()
+        log.info("stopped")
+
+
+def start(spec: ServerSpec) -> BuiltinServer:
+    """The backend's entry (areal_hpc.gen.backends): serve `spec` from this process."""
+    return BuiltinServer(spec)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ServerSpec, str | None]:
+    """The spec, and the address file, of the command line."""
+    p = argparse.ArgumentParser(
+        prog="python -m areal_hpc.gen.backends.builtin.server", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model-path", required=True, help="Hugging Face model directory")
-    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model path)")
     p.add_argument(
         "--token-file", required=True, help="file holding the bearer token (the run's secret, 0600)"
     )
@@ -348,40 +401,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     p.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (CPU runs share cores)")
     p.add_argument("--weight-version", default="0", help="weight_version before any update (SGLang: default)")
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    spec = ServerSpec(
+        ns.model_path, Path(ns.token_file), ns.host, ns.port, ns.device, dtype=ns.dtype, seed=ns.seed,
+        max_running_requests=ns.max_batch_size, weight_version=ns.weight_version, cpu_threads=ns.num_threads,
+    )  # fmt: skip
+    return spec, ns.address_file
 
 
-def serve(args: argparse.Namespace) -> None:
-    """Load the model, bind, announce the address and serve until SIGTERM/SIGINT."""
-    token = read_token(args.token_file)  # before the slow model load: a bad secret fails fast
-    if args.device.startswith("cuda"):
-        # cuDNN attention builds a plan per new KV length: ~30 ms per decode step on an H200 (10x slower).
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if args.device == "cpu" and args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
-    engine = Engine(
-        args.model_path, tokenizer_path=args.tokenizer_path, device=args.device, dtype=args.dtype,
-        seed=args.seed, max_batch_size=args.max_batch_size, weight_version=args.weight_version,
-    ).start()  # fmt: skip
-    server_args = {k: v for k, v in vars(args).items() if k != "token_file"}
-    server_args.update(dtype=str(engine.dtype).removeprefix("torch."), context_length=engine.context_len)
-    httpd = GenHTTPServer((args.host, args.port), App(engine, server_args), token)
-    host = socket.gethostname() if args.host in ("0.0.0.0", "") else args.host  # reachable from other nodes
-    port = httpd.server_address[1]
-    server_args.update(host=host, port=port)
-    stop = lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start()  # noqa: E731
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+def main(argv: list[str] | None = None) -> None:
+    """The server as a command (tools, tests): serve until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec, address_file = parse_args(argv)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
     try:
-        if args.address_file:
-            write_address(args.address_file, host, port)
-        log.info("serving %s at http://%s:%d (pid %d)", args.model_path, host, port, os.getpid())
-        httpd.serve_forever(poll_interval=0.2)
+        server = start(spec)
+    except ServerSetupError as exc:
+        sys.exit(f"gen server: {exc}")
+    try:
+        if address_file:
+            write_address(address_file, server.host, server.port)
+        while not stopped.wait(0.2) and server.alive():
+            pass
     finally:
-        httpd.server_close()
-        engine.stop()
-        _remove_address(args.address_file)
-        log.info("stopped")
+        server.stop()
+        _remove_address(address_file)
 
 
 def _remove_address(path: str | None) -> None:
@@ -393,16 +439,6 @@ def _remove_address(path: str | None) -> None:
             Path(path).unlink()
     except (OSError, ValueError):
         pass
-
-
-def main(argv: list[str] | None = None) -> None:
-    """CLI entry point."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(argv)
-    try:
-        serve(args)
-    except ServerSetupError as exc:
-        sys.exit(f"gen server: {exc}")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from areal_hpc.gen import kv
-from areal_hpc.gen.protocol import SamplingParams
-from areal_hpc.gen.sampling import sample_tokens
+from areal_hpc.gen.backends.builtin import kv
+from areal_hpc.gen.backends.builtin.protocol import SamplingParams
+from areal_hpc.gen.backends.builtin.sampling import sample_tokens
 
 
 @dataclass(eq=False)

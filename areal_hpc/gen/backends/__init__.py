@@ -1,0 +1,52 @@
+"""Generation backends behind one seam: what starts a generation server.
+
+Every backend's server speaks SGLang's HTTP API, so everything around the start is shared: the client
+(`gen.client`), readiness (`/health`), discovery through the run directory (`gen.discovery`) and the
+weight-update handshake (`areal_hpc.weights`: SGLang's weight group and routes). A backend is a package
+(config/backends.py names it) with one function, `start(spec: ServerSpec) -> Server`:
+
+    builtin   the built-in server in this process (a transformers model; CPU or one GPU)
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from areal_hpc.config import GEN_BACKENDS
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything one generation server starts with."""
+
+    model_path: str
+    token_file: Path  # the run's secret: clients send it as the bearer token
+    host: str = "127.0.0.1"  # the address to bind (0.0.0.0: every interface)
+    port: int = 0  # 0: any free port
+    device: str = "cpu"  # the server's first GPU, "cuda:<i>", or cpu
+    tp_size: int = 1  # GPUs from `device` on
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    seed: int = 0  # of the samples' random streams
+    max_running_requests: int = 64  # samples decoded together (SGLang's option)
+    weight_version: str = "0"  # before any update
+    cpu_threads: int = 1  # torch's CPU threads (roles on one machine share its cores)
+
+
+class Server(Protocol):
+    """A started generation server."""
+
+    url: str  # where clients reach it
+
+    def alive(self) -> bool:
+        """False once it stopped or failed."""
+
+    def stop(self) -> None:
+        """Stop serving (running requests end with finish reason abort) and free its resources."""
+
+
+def start_server(backend: str, spec: ServerSpec) -> Server:
+    """Start a server of the generation backend named `backend` (allocation_mode's generation part)."""
+    return importlib.import_module(GEN_BACKENDS[backend].module).start(spec)

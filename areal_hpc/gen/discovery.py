@@ -1,0 +1,31 @@
+"""How generation servers and their clients find each other: each server's address in the run directory."""
+
+from __future__ import annotations
+
+import os
+
+from areal_hpc.control import START_TIMEOUT_SECS, RunDir, fsio, poll_until
+from areal_hpc.gen.client import GenClient
+
+
+def announce(run: RunDir, index: int, url: str) -> None:
+    """Make server `index` known, once it answers."""
+    fsio.write_json(run.gen_address(index), {"url": url, "pid": os.getpid()})
+
+
+def withdraw(run: RunDir, index: int) -> None:
+    """Forget server `index`, unless a restarted server announced itself meanwhile."""
+    address = fsio.read_json(run.gen_address(index))
+    if address and address.get("pid") == os.getpid():
+        fsio.remove(run.gen_address(index))
+
+
+def clients(run: RunDir, n_servers: int, timeout: float = START_TIMEOUT_SECS) -> list[GenClient]:
+    """A client of each of the run's `n_servers` servers, once each announced itself."""
+    token = run.token()
+    return [GenClient(wait_address(run, i, timeout)["url"], token) for i in range(n_servers)]
+
+
+def wait_address(run: RunDir, index: int, timeout: float) -> dict:
+    path = run.gen_address(index)
+    return poll_until(lambda: fsio.read_json(path), timeout, f"generation server {index} to write {path}")

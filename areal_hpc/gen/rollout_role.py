@@ -1,0 +1,86 @@
+"""The rollout role of asynchronous RL: the generation manager and the rollout workers (threads) fill the
+rollout store until the run ends; the weight version the servers hold is read from the run directory."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from transformers import AutoTokenizer
+
+from areal_hpc.algo import MathVerifier
+from areal_hpc.control import (
+    START_TIMEOUT_SECS,
+    Ledger,
+    RunContext,
+    RunDir,
+    RunEndedError,
+    fsio,
+    poll_until,
+    why_stop,
+)
+from areal_hpc.data import RolloutStore, run_steps, training_prompts
+from areal_hpc.gen import discovery
+from areal_hpc.gen.manager import GenerationManager, ManagerState
+from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker, used_prompts
+
+logger = logging.getLogger("rollout")
+VERSION_POLL_SECS = 0.05
+
+
+def run(ctx: RunContext) -> None:
+    cfg, ds = ctx.cfg, ctx.cfg.dataset
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
+    train = training_prompts(ds, tokenizer)
+    clients = discovery.clients(ctx.run, len(ctx.allocation.gen_servers()))
+    _, total_steps = run_steps(cfg.exp_ctrl, len(train), ds.train_bs_n_seqs)
+    max_concurrent = cfg.max_concurrent_rollouts or ds.train_bs_n_seqs
+    point = wait_start_point(ctx.run, ctx.attempt)
+    store = RolloutStore(ctx.run.rollouts)
+    done, n_stored = used_prompts(Ledger(ctx.run.ledger), store)
+    # Resumed staleness counters: every group trained on or waiting in the store was accepted.
+    state = ManagerState(point["version"], accepted=point["global_step"] * ds.train_bs_n_seqs + n_stored)
+    manager = GenerationManager(
+        len(clients), ds.train_bs_n_seqs, cfg.max_head_offpolicyness, max_concurrent, cfg.schedule_policy,
+        total_rollouts=total_steps * ds.train_bs_n_seqs, state=state,
+    )  # fmt: skip
+    stop = threading.Event()
+    n_workers = cfg.n_rollout_workers or ctx.allocation.n_train_gpus
+    with MathVerifier(n_workers=2) as verifier:
+        shared = RolloutContext(cfg, train, clients, verifier, manager, store, tokenizer, stop, done)
+        workers = [
+            RolloutWorker(i, n_workers, shared, -(-max_concurrent // n_workers)) for i in range(n_workers)
+        ]
+        threads = [t for w in workers for t in w.threads()]
+        for t in threads:
+            t.start()
+        logger.info("%d rollout workers, %d threads, %d servers", n_workers, len(threads), len(clients))
+        start = time.monotonic()
+        try:
+            while (why := why_stop(ctx.run, time.monotonic() - start)) is None and not stop.is_set():
+                published = fsio.read_json(ctx.run.published_version)
+                if published:
+                    manager.set_version(published["version"])
+                time.sleep(VERSION_POLL_SECS)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+    errors = [e for w in workers for e in w.errors]
+    if errors:
+        raise errors[0]
+    if why:
+        raise RunEndedError(why)
+
+
+def wait_start_point(run: RunDir, attempt: int) -> dict:
+    """Where the controller starts this attempt, once it has resumed or started afresh."""
+
+    def started() -> dict | None:
+        point = fsio.read_json(run.start_point)
+        return point if point and point["attempt"] == attempt else None
+
+    return poll_until(
+        started, START_TIMEOUT_SECS, f"the controller to start attempt {attempt} ({run.start_point})"
+    )

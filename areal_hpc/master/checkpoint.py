@@ -1,0 +1,54 @@
+"""The controller's recover checkpoints: one collects everything that has a `state_dict`.
+
+A checkpoint of global step N (`recover.Checkpoints`, written atomically with a manifest) holds each trainer
+rank's file (its models, optimizers, LR schedules and generators), the ledger and the rollout store as they
+are, and `controller.json`: the identity settings a resume must agree with and the `state_dict()` of every
+component of the controller (the step counter, the step source's sampler, the frequency controls, the
+evaluation history).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from areal_hpc.config import ExperimentConfig
+from areal_hpc.control import RunDir, fsio
+from areal_hpc.recover import Checkpoints, check_compatible, identity, save_into
+
+logger = logging.getLogger("master")
+CONTROLLER_FILE = "controller.json"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    def __init__(self, cfg: ExperimentConfig, run: RunDir, trainers, components: dict[str, Stateful]):
+        self.cfg, self.run, self.trainers, self.components = cfg, run, trainers, components
+        self.ckpts = Checkpoints(run.recover, cfg.recover_keep)
+
+    def save(self, step: int) -> Path:
+        tmp = self.ckpts.begin(step)
+        self.trainers.call_all("recover_save", {"dir": str(tmp)})
+        save_into(self.run, tmp)
+        state = {name: c.state_dict() for name, c in self.components.items()}
+        fsio.write_json(tmp / CONTROLLER_FILE, {"identity": identity(self.cfg), **state})
+        path = self.ckpts.commit(tmp, step)
+        logger.info("Dumped recover info to file. (global step %d: %s)", step, path)
+        return path
+
+    def load(self, path: Path) -> None:
+        """Every component and trainer rank as checkpoint `path` holds them (the run directory is the caller's)."""
+        state = fsio.read_json(path / CONTROLLER_FILE)
+        check_compatible(state["identity"], self.cfg, str(path))
+        self.trainers.call_all("recover_load", {"dir": str(path)})
+        for name, component in self.components.items():
+            component.load_state_dict(state[name])
+
+    def has(self, step: int) -> bool:
+        return step in self.ckpts.steps()

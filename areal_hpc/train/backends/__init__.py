@@ -1,0 +1,61 @@
+"""Training backends behind one seam: the engine that holds one model on a trainer rank.
+
+A backend is a package (config/backends.py names it, by `actor.backend`, `ref.backend`, `critic.backend`) whose
+`Engine(model_cfg, total_train_steps, seed, critic=...)` is a `TrainEngine`. The model function calls
+(`train.interfaces`), the request handlers (`train.worker`) and weight publication use nothing else of it.
+
+    torch   the whole model on every rank, gradients summed over the data-parallel ranks
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from areal_hpc.config import TRAIN_BACKENDS, MicroBatchSpec, ModelConfig
+from areal_hpc.train.numerics import LossFn
+
+
+class TrainEngine(Protocol):
+    """One model (a causal LM, or a value model) on this rank; with an optimizer when it trains."""
+
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype, also that of published weights
+    trainable: bool
+
+    def logprobs(
+        self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec
+    ) -> torch.Tensor:
+        """Token-aligned float32 logprobs of the packed batch (0 at each sequence's first token)."""
+
+    def values(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec) -> torch.Tensor:
+        """A value model's float32 value of each prefix."""
+
+    def train_minibatch(
+        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn
+    ) -> dict[str, float]:
+        """One optimizer step over the ranks' micro-batches; `loss`, `grad_norm`, `lr`."""
+
+    def save_hf(self, path: str | Path) -> Path | None:
+        """The model as an HF directory with a manifest (a collective; rank 0 returns the path)."""
+
+    def hf_weights(self) -> Mapping[str, torch.Tensor]:
+        """The full weights under their HF names, for publication to the generation servers."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a recover checkpoint keeps of this rank: weights, optimizer, LR schedule."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def make_engine(
+    model_cfg: ModelConfig, total_train_steps: int | None = None, seed: int = 1, *, critic: bool = False
+) -> TrainEngine:
+    """The engine of `model_cfg.backend`; `total_train_steps` None: inference only."""
+    module = importlib.import_module(TRAIN_BACKENDS[model_cfg.backend].module)
+    return module.Engine(model_cfg, total_train_steps, seed, critic=critic)
