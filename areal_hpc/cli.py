@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def cmd_submit(ns: argparse.Namespace) -> int:
               "config.yaml", file=sys.stderr)  # fmt: skip
         return 2
     if ns.recover:
-        sub = submit.prepare_recover(runs.find_run(ns.recover, ns.fileroot))
+        sub = submit.prepare_recover(runs.find_run(ns.recover, ns.fileroot or runs.DEFAULT_FILEROOT))
     else:
         paths, overrides = split_args(ns.args)
         sub = submit.prepare(load_config(paths, overrides))
@@ -77,17 +78,31 @@ def cmd_submit(ns: argparse.Namespace) -> int:
         return 0
     job_ids = submit.submit(sub)
     print(submit.describe(sub))
-    print(f"{'resubmitted' if sub.recover else 'submitted'} Slurm job(s) {', '.join(job_ids)}")
+    done = "requeued" if sub.requeue else "resubmitted" if sub.recover else "submitted"
+    print(f"{done} Slurm job(s) {', '.join(job_ids)}")
     print(f"follow it: areal-hpc status {sub.run.root}   areal-hpc logs {sub.run.root} -f")
     return 0
+
+
+def one_run(ns: argparse.Namespace):
+    """The run the arguments name (the newest of a config's runs)."""
+    from areal_hpc.launch import runs
+
+    found = runs.select_runs(ns.run, ns.fileroot) if ns.run else []
+    if not found:
+        what = f"no run of {' '.join(ns.run)}" if ns.run else "no run named"
+        raise runs.RunNotFound(
+            f"{what}: give a run directory, experiment/trial, or the run's config and overrides"
+        )
+    return found[-1]
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
     from areal_hpc.launch import runs
 
-    selected = [runs.find_run(ns.run, ns.fileroot)] if ns.run else runs.list_runs(ns.fileroot)[-1:]
+    selected = runs.select_runs(ns.run, ns.fileroot)[-1:]
     if not selected:
-        print(f"no runs under {ns.fileroot}")
+        print(f"no runs under {ns.fileroot or runs.DEFAULT_FILEROOT}")
     for run in selected:
         print("\n".join(runs.status_lines(run)))
     return 0
@@ -96,8 +111,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 def cmd_stop(ns: argparse.Namespace) -> int:
     from areal_hpc.launch import runs
 
-    run = runs.find_run(ns.run, ns.fileroot)
-    states = runs.stop(run, ns.timeout)
+    states = runs.stop(one_run(ns), ns.timeout)
     print("\n".join(f"slurm job {jid}: {state}" for jid, state in sorted(states.items())))
     return 0
 
@@ -106,7 +120,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
     from areal_hpc.control import get_status
     from areal_hpc.launch import runs
 
-    run = runs.find_run(ns.run, ns.fileroot)
+    run = one_run(ns)
     find = lambda: runs.log_files(run, ns.role)  # noqa: E731
     if ns.follow:
         ended = lambda: (s := get_status(run)) is not None and s.final  # noqa: E731
@@ -125,18 +139,22 @@ def cmd_list(ns: argparse.Namespace) -> int:
     from areal_hpc.control import get_status
     from areal_hpc.launch import runs
 
-    for run in runs.list_runs(ns.fileroot):
+    for run in runs.select_runs(ns.run, ns.fileroot):
         status = get_status(run)
         jobs = ",".join(runs.job_ids(run)) or "local"
         print(f"{run.root}  {status.state if status else 'NOT STARTED'}  jobs {jobs}")
     return 0
 
 
-def add_run_arg(parser: argparse.ArgumentParser, required: bool = True) -> None:
+def add_run_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "run", nargs=None if required else "?", help="run directory, or experiment/trial under the fileroot"
+        "run", nargs="*", metavar="RUN | CONFIG [key=value ...]",
+        help="a run directory, experiment/trial under the fileroot, or the run's config files and overrides "
+        "(their cluster.fileroot and experiment; their trial_name if set, else the newest run)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fileroot", help="cluster.fileroot of the runs (default: the config's, or ~/areal_hpc)"
     )
-    parser.add_argument("--fileroot", default="~/areal_hpc", help="cluster.fileroot of the run")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,12 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="submit an existing run again (its directory, or experiment/trial under the fileroot); "
         "it resumes from its newest recover checkpoint as its recover_mode says",
     )
-    submit.add_argument("--fileroot", default="~/areal_hpc", help="cluster.fileroot of the run to recover")
+    submit.add_argument("--fileroot", help="cluster.fileroot of the run to recover (default: ~/areal_hpc)")
     submit.set_defaults(func=cmd_submit)
     status = verbs.add_parser(
         "status", help="Slurm state, step, reward and ETA of a run (default: the latest)"
     )
-    add_run_arg(status, required=False)
+    add_run_arg(status)
     status.set_defaults(func=cmd_status)
     stop = verbs.add_parser("stop", help="cancel a run's Slurm jobs; returns once every component has ended")
     add_run_arg(stop)
@@ -190,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=cmd_logs)
     listing = verbs.add_parser("list", help="list runs under the fileroot with their state and Slurm jobs")
-    listing.add_argument("--fileroot", default="~/areal_hpc", help="cluster.fileroot of the runs")
+    add_run_arg(listing)
     listing.set_defaults(func=cmd_list)
     return parser
 
@@ -199,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
+    except BrokenPipeError:  # `areal-hpc config options | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141  # as a shell reports a process ended by SIGPIPE
     except ConfigError as e:
         print(f"areal-hpc: {e}", file=sys.stderr)
         return 2

@@ -60,11 +60,13 @@ def test_eta_0_first_update_equals_the_synchronous_update(tmp_path, tiny_model_d
     assert sorted(sync_step.ids) == sorted(async_step.ids)  # the same prompts
 
 
-def test_generation_runs_ahead_of_training(tmp_path, tiny_model_dir, easy_data):
+def test_generation_runs_ahead_of_training(tmp_path, tiny_model_dir, easy_data, capsys):
     run = run_toy(
         tmp_path, tiny_model_dir, easy_data, "eta2", "async_rl=true", "max_head_offpolicyness=2",
-        "exp_ctrl.benchmark_steps=6",
+        "exp_ctrl.benchmark_steps=6", "logging.progress=false",
     )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "completed" in out and " step 6/6 " not in out  # no progress line
     steps = [r for r in read_stats(run.stats) if "ppo_actor/head_offpolicyness/max" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert max(r["ppo_actor/head_offpolicyness/max"] for r in steps) >= 1  # trained on older weights' answers

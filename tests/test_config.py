@@ -2,6 +2,8 @@
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -242,3 +244,13 @@ def test_config_docs_check_detects_a_stale_file(tmp_path):
     assert main(["config", "docs", "--out", str(out), "--check"]) == 0
     out.write_text(out.read_text() + "edited\n")
     assert main(["config", "docs", "--out", str(out), "--check"]) == 1
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():  # `areal-hpc config options | head -1`
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_hpc.cli", "config", "options"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.close()  # before a line is written: every write fails
+    err = proc.stderr.read()
+    assert proc.wait() == 141 and err == ""

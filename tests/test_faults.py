@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.cli import main
 from areal_hpc.control import fsio
 from areal_hpc.control.ledger import Ledger
 from areal_hpc.control.status import COMPLETE, get_status
@@ -174,9 +175,8 @@ def test_preemption_by_an_urgent_job_that_needs_every_node(slurm_env, draw, toy_
 
 @pytest.mark.slow
 def test_the_training_node_marked_down(slurm_env, draw, toy_job, say):
-    # The training component's node (controller and trainer): Slurm requeues the whole job (NODE_FAIL). Not the
-    # generation node: the job script runs there (component 0), and Slurm 22.05 then requeues component 0 alone
-    # and fails component 1, which leaves the job PENDING for good.
+    # The training component's node (controller and trainer): Slurm requeues the whole job (NODE_FAIL). The
+    # generation node is test_the_generation_node_marked_down's.
     fault = draw("node-down")
     run, job_id = toy_job(fault)
     _, node = job_nodes(slurm_env, job_id)
@@ -190,6 +190,33 @@ def test_the_training_node_marked_down(slurm_env, draw, toy_job, say):
         assert node not in job_nodes(slurm_env, job_id), f"the resumed run used {node} again"
     finally:
         set_node(slurm_env, node, "state=resume")  # whatever happened: the next test needs every node
+
+
+@pytest.mark.slow
+def test_the_generation_node_marked_down(slurm_env, draw, toy_job, say, capsys):
+    # The job script runs on component 0's node (generation): Slurm 22.05 then requeues component 0 alone and
+    # keeps component 1 failed, so the job would pend for good. `submit --recover` sees that and requeues it.
+    fault = draw("gen-node-down")
+    run, job_id = toy_job(fault)
+    node, _ = job_nodes(slurm_env, job_id)
+    try:
+        down = ("state=down", "reason=fault-test"), ("state=drain", "reason=fault-test")
+        strike(run, fault, lambda: [set_node(slurm_env, node, *settings) for settings in down])
+        deadline = time.monotonic() + 120
+        while not slurm.stuck(slurm.component_states(job_id)):
+            assert time.monotonic() < deadline, slurm.component_states(job_id)
+            time.sleep(0.5)
+        assert main(["status", str(run.root)]) == 0
+        assert (
+            f"stuck: it never starts again; requeue it: areal-hpc submit --recover {run.root}"
+            in capsys.readouterr().out
+        )
+        assert main(["submit", "--recover", str(run.root)]) == 0
+        assert f"requeued Slurm job(s) {job_id}" in capsys.readouterr().out
+        check_survived(slurm_env, run, job_id, fault, say)
+        assert node not in job_nodes(slurm_env, job_id), f"the resumed run used {node} again"
+    finally:
+        set_node(slurm_env, node, "state=resume")
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.control import RunDir
+from areal_hpc.launch.local import plan_roles
 from areal_hpc.launch.plan import PlanError, launch_plan
 from areal_hpc.launch.sbatch import render
 from areal_hpc.launch.submit import dry_run_text, prepare
@@ -153,6 +155,27 @@ def test_the_two_jobs_of_a_run_never_requeue_or_begin_an_attempt_themselves():
     plan, scripts = scripts_of(config("toy-cpu.yaml", overrides=["cluster.slurm.hetjob=false"]))
     assert plan.kind == "two-jobs"
     for text in scripts:
-        assert "scontrol requeue" not in text
+        assert "scontrol requeue" not in text and "#SBATCH --no-requeue" in text  # nor may Slurm requeue one
         assert "areal_hpc.recover.attempt" not in text and "\nattempt=0\n" in text  # begun by `submit`
         assert "areal-hpc submit --recover $AREAL_RUN_DIR" in text
+
+
+@pytest.mark.parametrize(
+    "files, overrides",
+    [
+        (("toy-cpu.yaml",), ()),
+        (("toy-cpu.yaml",), ("async_rl=true",)),
+        (("toy-cpu.yaml", "toy-sft.yaml"), ()),
+        (("toy-cpu.yaml", "toy-sft.yaml"), ("async_rl=true",)),  # supervised: no rollout role either way
+        (("qwen3-1.7b-8gpu.yaml",), ()),
+        (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
+    ],
+)
+def test_areal_hpc_run_starts_the_very_tasks_of_the_slurm_job(files, overrides):
+    cfg = config(*files, overrides=overrides)
+    run = RunDir(Path("/x"))
+    slurm_tasks = Counter(
+        s.role for job in launch_plan(cfg, run).jobs for s in job.steps for _ in range(s.ntasks)
+    )
+    assert Counter(role.argv[-1] for role in plan_roles(cfg, run)) == slurm_tasks
+    assert ("rollout" in slurm_tasks) == (cfg.experiment_type == "ppo" and cfg.async_rl)

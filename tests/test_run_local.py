@@ -47,10 +47,12 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
     assert counters["max_batch_rows"] == 6  # max_running_requests: of 4 prompts x 2 answers, 2 wait
 
 
-def start_run(toy, trial: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+def start_run(toy, trial: str, *extra: str, sigint_ignored: bool = False) -> tuple[subprocess.Popen, Path]:
     overrides = toy.overrides(trial, 1000, *TWO_TRAINERS, *extra)
     cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(ROOT / "configs/toy-cpu.yaml"), *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell's background job starts with SIGINT ignored.
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
     run_root = toy.fileroot / os.environ.get("USER", "root") / "toy-cpu" / trial
     return proc, run_root
 
@@ -94,8 +96,8 @@ def test_roles_stop_when_the_launcher_is_killed_outright(toy):
         time.sleep(0.2)
 
 
-def test_ctrl_c_stops_every_role(toy):
-    proc, run_root = start_run(toy, "ctrl-c")
+def test_ctrl_c_stops_every_role_even_when_started_with_sigint_ignored(toy):
+    proc, run_root = start_run(toy, "ctrl-c", sigint_ignored=True)
     wait_for_step(run_root, proc, 1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
@@ -119,3 +121,14 @@ def test_submitit_local_executor_starts_the_same_entry_point(toy, tmp_path):
     assert get_status(run).state == "COMPLETE"
     assert [r["step"] for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r] == [1, 2]
     assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r)
+
+
+def test_a_failure_every_attempt_would_repeat_ends_the_run_at_once(toy, capsys):
+    # Every prompt is longer than max_prompt_len: the controller finds no prompt to train on. A restart would
+    # fail alike, so none is made, whatever recover_retries says.
+    cfg = toy.config("too-long", 2, "dataset.max_prompt_len=8", "recover_mode=auto", "recover_retries=2")
+    assert run_local(cfg) == 1
+    err = capsys.readouterr().err
+    assert "0 of the 250 prompts" in err and "dataset.max_prompt_len=8" in err and "not restarted" in err
+    run = run_dir_of(cfg)
+    assert get_status(run).permanent and not run.attempt_logs(1).exists()

@@ -19,7 +19,7 @@ from areal_hpc.control.status import get_status
 from areal_hpc.launch import runs, slurm
 from areal_hpc.launch.plan import launch_plan
 from areal_hpc.recover.checkpoint import Checkpoints
-from tests.slurm import job_log, role_env, start_requeued, wait_role
+from tests.slurm import job_log, role_env, start_requeued, submit, wait_role
 from tests.test_slurm_submit import ROOT, submit_toy, toy_overrides, wait_for_step
 
 pytestmark = pytest.mark.slurm
@@ -94,6 +94,19 @@ def test_a_job_whose_retries_are_used_up_fails_without_another_attempt(
     assert not run.attempt_logs(2).exists()
 
 
+def test_a_failure_every_attempt_would_repeat_is_not_requeued(slurm_env, tmp_path, tiny_model_dir, easy_data):
+    # Every prompt is longer than max_prompt_len: the controller finds none to train on, on any attempt.
+    run, (job_id,) = submit_toy(
+        tmp_path, tiny_model_dir, easy_data, "too-long", 2, *RECOVER, "dataset.max_prompt_len=8"
+    )
+    states = slurm.wait_final([job_id], timeout=180)
+    assert set(states.values()) == {"FAILED"}, states
+    assert "failed in a way a new attempt would repeat" in job_log(run, "err")
+    status = get_status(run)
+    assert status.permanent and "dataset.max_prompt_len=8" in status.reason
+    assert not run.attempt_logs(1).exists() and not run.failed_attempts.exists()
+
+
 def made_run(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, *extra: str) -> RunDir:
     """A run directory as `areal-hpc submit` makes it, with no Slurm job recorded yet."""
     cfg = load_config(
@@ -103,6 +116,25 @@ def made_run(tmp_path: Path, tiny_model_dir: Path, data: Path, trial: str, *extr
     run.slurm.mkdir()
     fsio.write_json(run.jobs, {"kind": launch_plan(cfg, run).kind, "workdir": str(ROOT), "jobs": []})
     return run
+
+
+def test_submit_recover_takes_a_job_slurm_forgot_as_ended_and_a_held_one_as_live(
+    slurm_env, tmp_path, tiny_model_dir, easy_data, capsys
+):
+    run = made_run(tmp_path, tiny_model_dir, easy_data, "forgot", "recover_mode=auto")
+    held = submit(slurm_env, "--hold", "-o", "/dev/null", "--wrap", "true")
+    try:
+        for job_id, live in (("99999999", False), (held, True)):  # never known (or purged long ago); pending
+            fsio.write_json(
+                run.jobs, {**fsio.read_json(run.jobs), "jobs": [{"job_id": job_id, "components": []}]}
+            )
+            code = main(["submit", "--recover", str(run.root), "--dry-run"])
+            err = capsys.readouterr().err
+            assert (code, f"its Slurm job {job_id} has not ended" in err) == (
+                (2, True) if live else (0, False)
+            ), err
+    finally:
+        slurm_env.run("scancel", held, check=False)
 
 
 def test_submit_recover_refuses_a_finished_run(tmp_path, tiny_model_dir, easy_data, capsys):
@@ -159,6 +191,9 @@ def test_a_two_job_run_is_recovered_by_the_submitting_host_beginning_the_attempt
     assert "areal_hpc.recover.attempt" not in out
     assert main(["submit", "--recover", str(run.root)]) == 0
     assert run.attempt_logs(1).is_dir()  # begun here, before either job started
+    for job_id in runs.job_ids(run):  # one job requeued alone would strand the other
+        refused = slurm_env.run("scontrol", "requeue", job_id, check=False)
+        assert refused.returncode != 0 and "disabled" in refused.stderr, refused
     wait_role(run, "controller", 1)  # the training job runs attempt 1 (AREAL_ATTEMPT=1) without beginning one
     assert not run.attempt_logs(2).exists()
     assert len(runs.stop(run, timeout=30)) == 2

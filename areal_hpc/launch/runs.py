@@ -2,27 +2,52 @@
 
 from __future__ import annotations
 
-import getpass
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from areal_hpc.control import RunDir, fsio, get_status
+from areal_hpc.config import ExperimentConfig, load_config
+from areal_hpc.control import RunDir, fsio, get_status, user_root
 from areal_hpc.launch import slurm
 from areal_hpc.monitor import progress_line
 from areal_hpc.recover import Checkpoints
 
-DEFAULT_FILEROOT = "~/areal_hpc"
+DEFAULT_FILEROOT = ExperimentConfig().cluster.fileroot
 
 
 class RunNotFound(LookupError):
     pass
 
 
+def is_config(args: list[str]) -> bool:
+    """Whether verb arguments are config files and overrides (else a run)."""
+    return any(a.endswith((".yaml", ".yml")) or "=" in a for a in args)
+
+
+def select_runs(args: list[str], fileroot: str | None = None) -> list[RunDir]:
+    """The runs that a verb's arguments name, oldest first:
+    - a run directory, or `experiment/trial` under the fileroot: that run;
+    - config files and overrides: the runs of their experiment under their cluster.fileroot (the run of
+      their trial_name, if set);
+    - nothing: every run under the fileroot.
+    `fileroot`, when given, wins over the config's; the default is cluster.fileroot's."""
+    if args and not is_config(args):
+        if len(args) > 1:
+            raise RunNotFound(f"give one run, not {len(args)}: {' '.join(args)}")
+        return [find_run(args[0], fileroot or DEFAULT_FILEROOT)]
+    if not args:
+        return list_runs(fileroot or DEFAULT_FILEROOT)
+    cfg = load_config([a for a in args if "=" not in a], [a for a in args if "=" in a])
+    runs = [
+        r for r in list_runs(fileroot or cfg.cluster.fileroot) if r.root.parent.name == cfg.experiment_name
+    ]
+    return [r for r in runs if cfg.trial_name in (None, r.root.name)]
+
+
 def find_run(name: str, fileroot: str = DEFAULT_FILEROOT) -> RunDir:
     """A run directory given as a path, or as `experiment/trial` under `<fileroot>/<user>`."""
-    for candidate in (Path(name), Path(fileroot).expanduser() / getpass.getuser() / name):
+    for candidate in (Path(name), user_root(fileroot) / name):
         if (candidate / "config.yaml").is_file():
             return RunDir(candidate.resolve())
     raise RunNotFound(f"no run {name!r}: give its directory, or experiment/trial under {fileroot}/<user>")
@@ -30,8 +55,7 @@ def find_run(name: str, fileroot: str = DEFAULT_FILEROOT) -> RunDir:
 
 def list_runs(fileroot: str = DEFAULT_FILEROOT) -> list[RunDir]:
     """Every run under `<fileroot>/<user>`, oldest first."""
-    user_root = Path(fileroot).expanduser() / getpass.getuser()
-    runs = [RunDir(p.parent) for p in user_root.glob("*/*/config.yaml")]
+    runs = [RunDir(p.parent) for p in user_root(fileroot).glob("*/*/config.yaml")]
     return sorted(runs, key=lambda r: r.config.stat().st_mtime)
 
 
@@ -62,6 +86,8 @@ def status_lines(run: RunDir) -> list[str]:
             lines.append(f"  slurm job {component_id} ({name}): {state}")
         if not states:
             lines.append(f"  slurm job {job['job_id']}: not known to sacct yet")
+        if slurm.stuck(states):
+            lines.append(f"  stuck: it never starts again; requeue it: areal-hpc submit --recover {run.root}")
     status = get_status(run)
     if status is None:
         lines.append("  run: not started")

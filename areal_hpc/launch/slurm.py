@@ -9,6 +9,7 @@ submitit has no heterogeneous-job support (its issue 1741). Two changes make it 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -86,6 +87,29 @@ def component_states(job_id: str) -> dict[str, str]:
         states[job_id_field] = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
     het = {k: v for k, v in states.items() if "+" in k}
     return het or states
+
+
+def stuck(states: dict[str, str]) -> bool:
+    """A heterogeneous job that can never start: after the node of its leader (component 0) failed, Slurm
+    22.05 requeues that component alone and keeps the others failed, so the job pends for good. `scontrol
+    requeue` of the leader requeues every component (`areal-hpc submit --recover` does it)."""
+    het = [state for component, state in states.items() if "+" in component]
+    return "PENDING" in het and any(state in FINAL_STATES for state in het)
+
+
+def requeue(job_ids: list[str]) -> None:
+    """Requeue jobs; for a stuck heterogeneous job scontrol says the leader is pending, and does it anyway."""
+    subprocess.run(["scontrol", "requeue", *job_ids], capture_output=True, text=True, timeout=60)
+
+
+def controller_state(job_id: str) -> str | None:
+    """The job's state as slurmctld holds it (pending, running, or ended within MinJobAge), None once it
+    forgot the job: what to ask while sacct does not know a job yet."""
+    done = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=60
+    )
+    match = re.search(r"\bJobState=(\S+)", done.stdout) if done.returncode == 0 else None
+    return match.group(1) if match else None
 
 
 def cancel(job_ids: list[str]) -> None:

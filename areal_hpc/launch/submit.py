@@ -22,6 +22,7 @@ from areal_hpc.control import RunDir, create_run_dir, default_trial_name, fsio, 
 from areal_hpc.launch import slurm
 from areal_hpc.launch.plan import LaunchPlan, PlanError, launch_plan
 from areal_hpc.launch.preflight import check_inputs
+from areal_hpc.launch.runs import slurm_jobs
 from areal_hpc.launch.sbatch import code_version, render
 from areal_hpc.recover import Checkpoints, RecoverError, begin_attempt, next_attempt, resumes
 
@@ -38,6 +39,7 @@ class Submission:
     scripts: tuple[str, ...]  # one per job of the plan
     attempt: int = 0  # the attempt it starts (a two-job run's scripts run this one; the others begin it)
     recover: bool = False  # an existing run submitted again
+    requeue: tuple[str, ...] = ()  # recover by requeueing these stuck jobs (slurm.stuck) instead
 
 
 def prepare(cfg: ExperimentConfig) -> Submission:
@@ -61,18 +63,24 @@ def prepare_recover(run: RunDir) -> Submission:
     """
     cfg = run.load_config()
     record = fsio.read_json(run.jobs)
-    check_recoverable(run, cfg, record)
+    stuck = tuple(j["job_id"] for j in slurm_jobs(run) if slurm.stuck(slurm.component_states(j["job_id"])))
+    check_recoverable(run, cfg, record, ignore=stuck)
     check_inputs(cfg, new_run=False)
     # The original submission's working directory: relative paths of the config resolve there.
     plan = launch_plan(cfg, run, workdir=Path(record.get("workdir") or Path.cwd()))
     attempt = next_attempt(run)
+    if stuck:  # the job itself can run again: its script begins the next attempt
+        return Submission(cfg, run, plan, (), attempt, recover=True, requeue=stuck)
     version = code_version()
     scripts = tuple(render(plan, job, cfg, version, attempt) for job in plan.jobs)
     return Submission(cfg, run, plan, scripts, attempt, recover=True)
 
 
-def check_recoverable(run: RunDir, cfg: ExperimentConfig, record: dict | None) -> None:
-    """RecoverRefused naming the first reason why `run` must not be submitted again."""
+def check_recoverable(
+    run: RunDir, cfg: ExperimentConfig, record: dict | None, ignore: tuple[str, ...] = ()
+) -> None:
+    """RecoverRefused naming the first reason why `run` must not be submitted again (jobs in `ignore` may be
+    live: they are stuck, and recovered by a requeue)."""
 
     def refuse(why: str) -> NoReturn:
         raise RecoverRefused(f"cannot recover {run.root}: {why}")
@@ -81,7 +89,8 @@ def check_recoverable(run: RunDir, cfg: ExperimentConfig, record: dict | None) -
         refuse(f"it finished ({run.finished.name} exists); there is nothing to resume")
     if not record:
         refuse(f"it was not submitted to Slurm (no {run.jobs}); `areal-hpc run` restarts local runs")
-    for component, state in live_components(record["jobs"]).items():  # the first one is enough
+    jobs = [j for j in record["jobs"] if j["job_id"] not in ignore]
+    for component, state in live_components(jobs).items():  # the first one is enough
         refuse(f"its Slurm job {component} has not ended ({state}); stop it first: areal-hpc stop {run.root}")
     if cfg.recover_mode == "disabled":
         refuse("recover_mode is disabled in its config.yaml (no recover checkpoints); start a new trial")
@@ -96,9 +105,11 @@ def live_components(jobs: list[dict]) -> dict[str, str]:
     """{component id: state} of the recorded jobs that may still run (pending, running, requeued)."""
     live = {}
     for job in jobs:
-        # sacct knows a job a moment after sbatch returns: until then it may well be pending.
-        states = slurm.component_states(job["job_id"]) or {job["job_id"]: "not known to sacct yet"}
-        live |= {k: v for k, v in states.items() if v not in slurm.FINAL_STATES}
+        states = slurm.component_states(job["job_id"])
+        if not states:  # sacct knows a job a moment after sbatch returns, and forgets purged ones
+            state = slurm.controller_state(job["job_id"])
+            states = {job["job_id"]: f"{state}, not in sacct yet"} if state else {}
+        live |= {k: v for k, v in states.items() if v.split(",")[0] not in slurm.FINAL_STATES}
     return live
 
 
@@ -107,6 +118,12 @@ def describe(sub: Submission) -> str:
     lines = [f"run directory: {sub.run.root}", f"layout: {sub.plan.kind}"]
     if sub.recover:
         lines.append(f"recover: attempt {sub.attempt}, recover_mode {sub.cfg.recover_mode}")
+    if sub.requeue:
+        lines.append(
+            f"requeue: job {', '.join(sub.requeue)} is stuck (a node of component 0 failed, Slurm requeued that "
+            "component alone): `scontrol requeue` starts every component again"
+        )
+        return "\n".join(lines)
     for job in sub.plan.jobs:
         lines.append(f"job {job.name}:")
         for i, c in enumerate(job.components):
@@ -122,6 +139,8 @@ def describe(sub: Submission) -> str:
 
 
 def dry_run_text(sub: Submission) -> str:
+    if sub.requeue:
+        return describe(sub) + "\n"
     scripts = [
         f"# ---- sbatch script of job {job.name}\n{text}"
         for job, text in zip(sub.plan.jobs, sub.scripts, strict=True)
@@ -137,6 +156,9 @@ def submit(sub: Submission) -> list[str]:
     """
     if shutil.which("sbatch") is None:
         raise slurm.SlurmError("sbatch is not on PATH: run `areal-hpc submit` on a Slurm login node")
+    if sub.requeue:
+        slurm.requeue(list(sub.requeue))
+        return list(sub.requeue)
     if sub.recover:
         begin_two_jobs_attempt(sub)
         job_ids = submit_jobs(sub)
