@@ -181,10 +181,7 @@ def test_the_training_node_marked_down(slurm_env, draw, toy_job, say):
     run, job_id = toy_job(fault)
     _, node = job_nodes(slurm_env, job_id)
     try:
-        # Drained too: with ReturnToService=2 a DOWN node whose slurmd still answers (here, all of them) is
-        # back in service within a second, and the requeued run could start on it again.
-        down = ("state=down", "reason=fault-test"), ("state=drain", "reason=fault-test")
-        strike(run, fault, lambda: [set_node(slurm_env, node, *settings) for settings in down])
+        take_down(slurm_env, run, fault, node)
         check_survived(slurm_env, run, job_id, fault, say)
         assert "NODE_FAIL" in job_history(slurm_env, job_id)
         assert node not in job_nodes(slurm_env, job_id), f"the resumed run used {node} again"
@@ -200,8 +197,7 @@ def test_the_generation_node_marked_down(slurm_env, draw, toy_job, say, capsys):
     run, job_id = toy_job(fault)
     node, _ = job_nodes(slurm_env, job_id)
     try:
-        down = ("state=down", "reason=fault-test"), ("state=drain", "reason=fault-test")
-        strike(run, fault, lambda: [set_node(slurm_env, node, *settings) for settings in down])
+        take_down(slurm_env, run, fault, node)
         deadline = time.monotonic() + 120
         while not slurm.stuck(slurm.component_states(job_id)):
             assert time.monotonic() < deadline, slurm.component_states(job_id)
@@ -393,6 +389,14 @@ def job_nodes(cluster, job_id: str, timeout: float = 60.0) -> list[str]:
             return nodes
         assert time.monotonic() < deadline, f"job {job_id} has no node per component:\n{info}"
         time.sleep(0.5)
+
+
+def take_down(cluster, run, fault: Fault, node: str) -> None:
+    """Once the run finished fault.step, mark `node` down, and drained: with ReturnToService=2 a DOWN node whose
+    slurmd still answers (here, all of them) is back in service within a second, and the requeued run could
+    start on it again."""
+    down = ("state=down", "reason=fault-test"), ("state=drain", "reason=fault-test")
+    strike(run, fault, lambda: [set_node(cluster, node, *settings) for settings in down])
 
 
 def set_node(cluster, node: str, *settings: str) -> None:
