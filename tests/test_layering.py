@@ -92,3 +92,21 @@ def test_each_generation_backend_has_a_start(name):
 @pytest.mark.parametrize("name", sorted(TRAIN_BACKENDS))
 def test_each_training_backend_has_an_engine(name):
     assert callable(importlib.import_module(TRAIN_BACKENDS[name].module).Engine)
+
+
+def test_only_rundir_names_the_paths_of_a_run_directory():
+    from areal_hpc.control import RunDir
+
+    run = RunDir(Path("/run"))
+    paths = [run.config, run.status, run.finished, run.progress, run.start_point, run.published_version]
+    paths += [run.ledger, run.heartbeats, run.mailboxes, run.gen_servers, run.dist_init, run.rollouts]
+    paths += [run.checkpoints, run.stats, run.failed_attempts, run.jobs]
+    names = {p.name for p in paths}
+    spelled = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "rundir.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+    assert not spelled, "\n".join(spelled)

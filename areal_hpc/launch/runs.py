@@ -47,16 +47,16 @@ def select_runs(args: list[str], fileroot: str | None = None) -> list[RunDir]:
 
 def find_run(name: str, fileroot: str = DEFAULT_FILEROOT) -> RunDir:
     """A run directory given as a path, or as `experiment/trial` under `<fileroot>/<user>`."""
-    for candidate in (Path(name), user_root(fileroot) / name):
-        if (candidate / "config.yaml").is_file():
-            return RunDir(candidate.resolve())
+    for candidate in (RunDir(Path(name)), RunDir(user_root(fileroot) / name)):
+        if candidate.config.is_file():
+            return RunDir(candidate.root.resolve())
     raise RunNotFound(f"no run {name!r}: give its directory, or experiment/trial under {fileroot}/<user>")
 
 
 def list_runs(fileroot: str = DEFAULT_FILEROOT) -> list[RunDir]:
     """Every run under `<fileroot>/<user>`, oldest first."""
-    runs = [RunDir(p.parent) for p in user_root(fileroot).glob("*/*/config.yaml")]
-    return sorted(runs, key=lambda r: r.config.stat().st_mtime)
+    runs = [RunDir(p) for p in user_root(fileroot).glob("*/*")]
+    return sorted((r for r in runs if r.config.is_file()), key=lambda r: r.config.stat().st_mtime)
 
 
 def recorded_jobs(run: RunDir) -> list[dict]:
