@@ -8,7 +8,7 @@ docs      docs/config.md and `areal-hpc config options`, rendered from the schem
 """
 
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend
-from areal_hpc.config.checks import allocation_of
+from areal_hpc.config.checks import allocation_of, trainer_models
 from areal_hpc.config.docs import render_markdown, render_options
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
 from areal_hpc.config.schema import (
@@ -44,4 +44,5 @@ __all__ = [
     "render_markdown",
     "render_options",
     "to_dict",
+    "trainer_models",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 
 from areal_hpc import alloc
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS
-from areal_hpc.config.schema import ConfigError, ExperimentConfig
+from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
 _BOUNDS = {
@@ -124,13 +124,14 @@ def allocation_of(cfg: ExperimentConfig) -> alloc.Allocation:
     return alloc.resolve_allocation(cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
 
 
-def trainer_models(cfg: ExperimentConfig) -> dict[str, str]:
-    """{model: its backend} of the models the trainer ranks host."""
-    models = {"actor": cfg.actor.backend}
+def trainer_models(cfg: ExperimentConfig) -> dict[str, ModelConfig]:
+    """The models the trainer ranks host, by name: the actor; the reference policy with a KL penalty (its path
+    defaults to the actor's); the critic unless disable_value."""
+    models: dict[str, ModelConfig] = {"actor": cfg.actor}
     if cfg.experiment_type == "ppo" and cfg.ppo.kl_ctl > 0:
-        models["ref"] = cfg.ref.backend
+        models["ref"] = cfg.ref if cfg.ref.path else dataclasses.replace(cfg.ref, path=cfg.actor.path)
     if cfg.experiment_type == "ppo" and not cfg.ppo.disable_value:
-        models["critic"] = cfg.critic.backend
+        models["critic"] = cfg.critic
     return models
 
 
@@ -138,7 +139,8 @@ def _parallel_problems(cfg: ExperimentConfig, key: str, spec: alloc.ParallelSpec
     """A training layout's tensor and pipeline sizes against the backends of the models it runs."""
     out = []
     layout = "the training layout" if key == alloc.DEFAULT_KEY else f"the layout of {key}"
-    for model, name in trainer_models(cfg).items():
+    for model, model_cfg in trainer_models(cfg).items():
+        name = model_cfg.backend
         backend = TRAIN_BACKENDS[name]
         for size, axis, able in (
             (spec.tensor, "tensor", backend.tensor_parallel),

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from areal_hpc.control import START_TIMEOUT_SECS, RunDir, fsio, poll_until
 from areal_hpc.gen.client import GenClient
 
 
-def announce(run: RunDir, index: int, url: str) -> None:
-    """Make server `index` known, once it answers."""
-    fsio.write_json(run.gen_address(index), {"url": url, "pid": os.getpid()})
+def announce(path: Path, url: str) -> None:
+    """Make this process's server known at address file `path` (`RunDir.gen_address(i)`), once it answers."""
+    fsio.write_json(path, {"url": url, "pid": os.getpid()})
 
 
-def withdraw(run: RunDir, index: int) -> None:
-    """Forget server `index`, unless a restarted server announced itself meanwhile."""
-    address = fsio.read_json(run.gen_address(index))
+def withdraw(path: Path) -> None:
+    """Remove address file `path`, unless a restarted server announced itself there meanwhile."""
+    address = fsio.read_json(path)
     if address and address.get("pid") == os.getpid():
-        fsio.remove(run.gen_address(index))
+        fsio.remove(path)
 
 
 def clients(run: RunDir, n_servers: int, timeout: float = START_TIMEOUT_SECS) -> list[GenClient]:

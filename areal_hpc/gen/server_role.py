@@ -34,10 +34,10 @@ def run(ctx: RunContext) -> None:
     server = start_server(ctx.allocation.mode.gen_backend, spec)
     try:
         GenClient(server.url, ctx.run.token()).wait_healthy(START_TIMEOUT_SECS)
-        discovery.announce(ctx.run, ctx.index, server.url)
+        discovery.announce(ctx.run.gen_address(ctx.index), server.url)
         why = serve_until_over(ctx, server)
     finally:
-        discovery.withdraw(ctx.run, ctx.index)
+        discovery.withdraw(ctx.run.gen_address(ctx.index))
         server.stop()
     if why:
         raise RunEndedError(why)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from areal_hpc.config import ExperimentConfig, InputError
+from areal_hpc.config import ExperimentConfig, InputError, trainer_models
 from areal_hpc.data import DatasetFormatError, read_prompt_records
 
 
@@ -31,13 +31,10 @@ def datasets(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:
 
 
 def models(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:
-    """The model directories the run loads: the actor (whose tokenizer every role uses), ref and critic."""
-    out = [("actor.path", cfg.actor.path)]
-    if cfg.experiment_type == "ppo" and cfg.ppo.kl_ctl > 0 and cfg.ref.path:
-        out.append(("ref.path", cfg.ref.path))
-    if cfg.experiment_type == "ppo" and not cfg.ppo.disable_value:
-        out.append(("critic.path", cfg.critic.path))
-    return out
+    """The model directories the run loads: the actor (whose tokenizer every role uses), ref and critic; a
+    reference policy on the actor's weights is checked as the actor."""
+    out = [(f"{name}.path", m.path) for name, m in trainer_models(cfg).items()]
+    return [(key, path) for key, path in out if key == "actor.path" or path != cfg.actor.path]
 
 
 def dataset_problems(cfg: ExperimentConfig, key: str, path: str | None) -> list[str]:

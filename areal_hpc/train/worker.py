@@ -13,7 +13,6 @@ every server joins; reply the bucket plan), `broadcast_weights` (send the actor'
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from areal_hpc.config import ExperimentConfig
+from areal_hpc.config import ExperimentConfig, trainer_models
 from areal_hpc.control import RunContext, WorkerServer, task_name
 from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
@@ -49,12 +48,9 @@ class TrainerHandlers:
         cfg = self.cfg
         n_minibatches = 1 if cfg.experiment_type == "sft" else cfg.ppo.ppo_n_minibatches
         total = payload["total_train_steps"] * n_minibatches
-        self.engines["actor"] = make_engine(cfg.actor, total, cfg.seed)
-        if cfg.experiment_type == "ppo" and cfg.ppo.kl_ctl > 0:
-            ref = cfg.ref if cfg.ref.path else dataclasses.replace(cfg.ref, path=cfg.actor.path)
-            self.engines["ref"] = make_engine(ref, None, cfg.seed)
-        if cfg.experiment_type == "ppo" and not cfg.ppo.disable_value:
-            self.engines["critic"] = make_engine(cfg.critic, total, cfg.seed, critic=True)
+        for name, model_cfg in trainer_models(cfg).items():  # the reference policy does not train
+            steps = None if name == "ref" else total
+            self.engines[name] = make_engine(model_cfg, steps, cfg.seed, critic=name == "critic")
         logger.info("rank %d/%d loaded %s", self.rank, self.world_size, sorted(self.engines))
         return {"models": sorted(self.engines)}
 

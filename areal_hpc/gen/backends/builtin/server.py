@@ -22,7 +22,7 @@ Usage::
     python -m areal_hpc.gen.backends.builtin.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
         [--address-file A] [--seed S] [--max-batch-size N] [--device cpu] [--dtype float32]
 
-Once it serves, ``{"url", "pid", "host", "port"}`` is written to the address file (tmp + rename); SIGTERM or
+Once it serves, ``{"url", "pid"}`` is written to the address file (``gen.discovery``, tmp + rename); SIGTERM or
 SIGINT stop it cleanly (in-flight requests answer with finish reason abort) and remove that file. The gen_server
 role starts it in its own process with ``start(spec)`` instead (areal_hpc.gen.backends).
 """
@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec
 from areal_hpc.gen.backends.builtin.engine import Engine, Request
 from areal_hpc.gen.backends.builtin.protocol import RequestError, format_output, parse_generate
@@ -81,16 +82,6 @@ def read_token(path: str | os.PathLike) -> str:
     if not token:
         raise ServerSetupError(f"token file {path} is empty")
     return token
-
-
-def write_address(path: str | os.PathLike, host: str, port: int) -> None:
-    """Write ``{"url", "pid", "host", "port"}`` to ``path`` atomically (a reader never sees half a file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(
-        json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid(), "host": host, "port": port})
-    )
-    os.replace(tmp, path)
 
 
 class App:
@@ -422,23 +413,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"gen server: {exc}")
     try:
         if address_file:
-            write_address(address_file, server.host, server.port)
+            discovery.announce(Path(address_file), server.url)
         while not stopped.wait(0.2) and server.alive():
             pass
     finally:
         server.stop()
-        _remove_address(address_file)
-
-
-def _remove_address(path: str | None) -> None:
-    """Remove the address file if it is still ours (a restarted server may have replaced it)."""
-    if not path:
-        return
-    try:
-        if json.loads(Path(path).read_text()).get("pid") == os.getpid():
-            Path(path).unlink()
-    except (OSError, ValueError):
-        pass
+        if address_file:
+            discovery.withdraw(Path(address_file))
 
 
 if __name__ == "__main__":
