@@ -1,8 +1,14 @@
-"""Helpers of the end-to-end tests: the toy experiment's settings, and the role processes of a run."""
+"""Helpers of the tests: the toy experiment's settings, the role processes of a run, and a probe of the tensors
+an op makes."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,3 +55,44 @@ def role_pids(run_root: Path) -> dict[str, int]:
             index = "" if role in ("controller", "rollout") else env[b"SUBMITIT_LOCAL_GLOBALID"].decode()
             pids[role + index] = int(proc.name)
     return pids
+
+
+class OutputProbe(TorchDispatchMode):
+    """Records, over every op run under it (forward and backward), the largest output's numel and the peak
+    of the bytes held by live op outputs (tensors saved for backward included; views and in-place results,
+    which share an input's storage, are not counted again). CPU-only, no allocator hooks needed."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.peak_bytes = 0
+        self._live: dict[int, int] = {}
+        self._bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in tree_leaves(out):
+            if not torch.is_tensor(t):
+                continue
+            self.largest = max(self.largest, t.numel())
+            key = _storage(t)
+            size = 0 if key is None else t.untyped_storage().nbytes()
+            if key in inputs or key in self._live or size == 0:
+                continue
+            self._live[key] = size
+            self._bytes += size
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+            weakref.finalize(t, self._free, key)
+        return out
+
+    def _free(self, key):
+        self._bytes -= self._live.pop(key)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of a tensor's storage; None for one without (FSDP frees unsharded parameters' storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None

@@ -149,7 +149,7 @@ def test_malformed_override_and_yaml(tmp_path):
         ),
         (
             ["allocation_mode=builtin.d4p1m1+d2p2m1"],
-            "pipeline size 2, but actor.backend 'torch' has no pipeline",
+            "pipeline size 2, but actor.backend 'fsdp' has no pipeline",
         ),
         (
             ["allocation_mode=builtin.d4p1m1+actor_train:d2p1m2,*:d4p1m1"],
@@ -157,10 +157,14 @@ def test_malformed_override_and_yaml(tmp_path):
         ),
         (
             ["ppo.kl_ctl=0.1", "allocation_mode=builtin.d4p1m1+d1p1m4"],
-            "but ref.backend 'torch' has no tensor",
+            "but ref.backend 'fsdp' has no tensor",
         ),
         (["allocation_mode=builtin.d4p1m1+actor_inf:d4p1m1"], "no layout for actor_train"),
-        (["actor.backend=megatron"], "'actor.backend' is 'megatron'; choose one of torch"),
+        (["actor.backend=megatron"], "'actor.backend' is 'megatron'; choose one of fsdp, torch"),
+        (
+            ["actor.backend=torch", "actor.optimizer.offload=true"],
+            "'actor.optimizer.offload' needs a backend that offloads (fsdp); 'actor.backend' is 'torch'",
+        ),
     ],
 )
 def test_value_checks_name_the_field(overrides, message):
@@ -190,7 +194,6 @@ def test_allocation_is_checked_against_the_cluster():
         ("mode=slurm", "'mode' is not an option of this version: the command decides where roles run"),
         ("eval.n_sampling=4", "'eval' is not an option of this version: evaluation options are not"),
         ("logging.tensorboard=true", "TensorBoard output is not implemented yet"),
-        ("actor.optimizer.offload=true", "optimizer offload is not implemented yet"),
         ("actor_train.device_mesh=n1", "allocation_mode manual is not implemented yet"),
         ("ref_inf.parallel.tensor=2", "allocation_mode manual is not implemented yet"),
     ],

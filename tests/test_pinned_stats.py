@@ -24,13 +24,18 @@ PINS = Path(__file__).parent / "golden" / "pinned-stats.json"
 # Synchronous PPO with two trainer ranks (the gradient all-reduce) and a reference model, and the supervised
 # warm-up. Unnormalised advantages: the untrained model's constant reward then moves it. The server decodes
 # one group at a time: rows batched with other requests round differently from run to run.
+# Each on both training backends: the sharded default and the replicated one.
+PPO = (
+    "allocation_mode=builtin.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3",
+    "ppo.adv_norm=false", "ppo.group_adv_norm=false", "ppo.kl_ctl=0.05", "max_running_requests=2",
+)  # fmt: skip
+SFT = ("experiment_type=sft",)
 RUNS = {
-    "ppo": (
-        "allocation_mode=builtin.d1p1m1+d2p1m1", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3",
-        "ppo.adv_norm=false", "ppo.group_adv_norm=false", "ppo.kl_ctl=0.05", "max_running_requests=2",
-    ),
-    "sft": ("experiment_type=sft",),
-}  # fmt: skip
+    "ppo": PPO,
+    "sft": SFT,
+    "ppo-torch": (*PPO, "actor.backend=torch", "ref.backend=torch"),
+    "sft-torch": (*SFT, "actor.backend=torch"),
+}
 TIMING = ("time", "timeperf/", "rollout/gen_tokens_per_s", "rollout/gen_secs")  # differ from run to run
 
 

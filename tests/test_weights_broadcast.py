@@ -60,6 +60,9 @@ class LocalTrainer:
     def __init__(self, handlers: TrainerHandlers, send: bool = True):
         self.handlers, self.send, self.calls = handlers, send, []
 
+    def call_each(self, type: str, payload=None, timeout: float | None = None) -> list:
+        return [self.call_one(0, type, payload, timeout)]
+
     def call_one(self, rank: int, type: str, payload=None, timeout: float | None = None):
         assert rank == 0
         self.calls.append(type)

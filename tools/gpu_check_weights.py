@@ -33,9 +33,8 @@ sys.path.insert(0, str(REPO))  # run as a script: make `areal_hpc` importable
 import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from areal_hpc.control.manifest import write_manifest  # noqa: E402
 from areal_hpc.gen.client import GenClient  # noqa: E402
-from areal_hpc.train.models import save_model  # noqa: E402
+from areal_hpc.train.backends.hf_dir import write_hf_dir  # noqa: E402
 from areal_hpc.weights.publisher import BroadcastPublisher, DiskPublisher, WeightSyncError  # noqa: E402
 from areal_hpc.weights.sender import WeightSender, plan_payload  # noqa: E402
 
@@ -72,6 +71,9 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, backend: str, send: bool = True):
         self.model, self.backend, self.send, self.sender = model, backend, send, WeightSender()
 
+    def call_each(self, type: str, payload=None, timeout: float | None = None) -> list:
+        return [self.call_one(0, type, payload, timeout)]
+
     def call_one(self, rank: int, type: str, payload=None, timeout: float | None = None):
         if type == "weight_group_store":
             port = self.sender.open(payload["group_name"], payload["timeout_s"])
@@ -94,10 +96,8 @@ class Trainer:
 
     def call_all(self, type: str, payload: dict) -> list:  # the disk mode's save
         out = Path(payload["path"])
-        out.mkdir(parents=True)
-        save_model(self.model, out, torch.bfloat16)
-        write_manifest(out)
-        return [{"path": str(out)}]
+        weights = self.model.state_dict().items()
+        return [{"path": str(write_hf_dir(out, self.model, weights, out.parent, torch.bfloat16))}]
 
 
 def start_server(

@@ -16,10 +16,12 @@ class Backend:
     module: str  # the package that implements it, imported by the stage that runs it
     tensor_parallel: bool = False
     pipeline_parallel: bool = False
+    optimizer_offload: bool = False  # optimizer state kept in CPU memory (optimizer.offload)
 
 
 TRAIN_BACKENDS = {
-    "torch": Backend("areal_hpc.train.backends.torch"),
+    "fsdp": Backend("areal_hpc.train.backends.fsdp", optimizer_offload=True),
+    "torch": Backend("areal_hpc.train.backends.torch"),  # replicated: the baseline of bench_train
 }
 GEN_BACKENDS = {
     "builtin": Backend("areal_hpc.gen.backends.builtin"),

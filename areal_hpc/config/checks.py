@@ -77,6 +77,14 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         out.append("'critic.path' is required when 'ppo.disable_value' is false")
     if cfg.ppo.group_adv_norm and cfg.group_size < 2:
         out.append("'ppo.group_adv_norm' needs 'group_size' >= 2")
+    for name in ("actor", "critic"):
+        model = getattr(cfg, name)
+        if model.optimizer.offload and not TRAIN_BACKENDS[model.backend].optimizer_offload:
+            able = [b for b, spec in TRAIN_BACKENDS.items() if spec.optimizer_offload]
+            out.append(
+                f"'{name}.optimizer.offload' needs a backend that offloads ({', '.join(able)}); "
+                f"'{name}.backend' is {model.backend!r}"
+            )
     return out
 
 

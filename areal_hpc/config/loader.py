@@ -29,8 +29,6 @@ NOT_TAKEN = {
     "eval": "evaluation options are not implemented yet; held-out accuracy during training uses dataset.valid_path",
     "logging.tensorboard": "TensorBoard output is not implemented yet; statistics go to logs/stats.jsonl",
     "logging.stats_jsonl": "statistics always go to logs/stats.jsonl",
-    "actor.optimizer.offload": "optimizer offload is not implemented yet",
-    "critic.optimizer.offload": "optimizer offload is not implemented yet",
 }
 MANUAL_KEYS = ("device_mesh", "parallel")  # an MFC's own mesh, for allocation_mode manual
 

@@ -89,13 +89,21 @@ class OptimizerConfig:
         0.001, "Fraction of all optimizer steps spent warming up.", ge=0, le=1
     )
     gradient_clipping: float = opt(1.0, "Clip the global gradient norm to this value.", gt=0)
+    offload: bool = opt(
+        False,
+        "Keep the optimizer state in CPU memory, streamed to the GPU one parameter at a time for the update "
+        "(backend fsdp): the GPU holds weights and gradients only.",
+    )
 
 
 @dataclass
 class ModelConfig:
     path: str | None = opt(None, "Hugging Face model directory (weights and tokenizer).")
     backend: str = opt(
-        "torch", "Training backend of the trainer ranks (config/backends.py).", choices=tuple(TRAIN_BACKENDS)
+        "fsdp",
+        "Training backend of the trainer ranks (config/backends.py): fsdp shards weights, gradients and "
+        "optimizer state over the data-parallel ranks; torch replicates them on every rank.",
+        choices=tuple(TRAIN_BACKENDS),
     )
     dtype: str = opt("bfloat16", "Compute dtype.", choices=("bfloat16", "float16", "float32"))
 

@@ -40,6 +40,11 @@ class TrainerGroup:
         """The same request on every rank (collectives such as save need every rank)."""
         return self.call(type, [payload] * self.n_ranks)
 
+    def call_each(self, type: str, payload: Any = None, timeout: float | None = None) -> list[Any]:
+        """Request `type` on every rank at once (no flush: for non-blocking types); the results in rank order."""
+        ids = [self.mailbox.post(name, type, payload) for name in self.names]
+        return [self.wait(name, rid, timeout) for name, rid in zip(self.names, ids, strict=True)]
+
     def call_one(self, rank: int, type: str, payload: Any = None, timeout: float | None = None) -> Any:
         """Request `type` on rank `rank` alone and wait for its result (no flush: for non-blocking types)."""
         name = self.names[rank]

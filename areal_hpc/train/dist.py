@@ -11,6 +11,7 @@ branches.
 from __future__ import annotations
 
 import os
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,13 @@ def init_distributed(
         timeout=timedelta(seconds=timeout_s),
     )
     return backend
+
+
+def init_alone() -> None:
+    """A one-rank process group of this process, unless it already joined one (for code that needs a group,
+    such as FSDP, run outside a trainer: tests, tools)."""
+    if not is_initialized():
+        init_distributed(0, 1, Path(tempfile.mkdtemp(prefix="areal-dist-")) / "init")
 
 
 def destroy() -> None:

@@ -20,7 +20,7 @@ from areal_hpc.data import CU
 from areal_hpc.train import dist
 from areal_hpc.train.backends import TrainEngine
 from areal_hpc.train.microbatch import micro_batches, minibatches
-from areal_hpc.train.numerics import LossFn, token_logprobs
+from areal_hpc.train.numerics import LossFn
 from areal_hpc.train.stats import StatsTracker
 
 Batch = Mapping[str, np.ndarray]
@@ -132,13 +132,14 @@ def _train_minibatches(
     mb_spec: MicroBatchSpec,
     make_loss_fn: Callable[[float], LossFn],
     tracker: StatsTracker,
+    temperature: float = 1.0,
 ) -> None:
     """One optimizer step per minibatch; each loss is normalised by the minibatch's valid tokens on all ranks."""
     for part in minibatches(batch, n_minibatches):
         n_valid = 0.0 if part is None else float(part["loss_mask"].sum())
         normaliser = max(dist.all_reduce_sum(torch.tensor(n_valid, dtype=torch.float64)).item(), 1.0)
         mbs = [] if part is None else micro_batches(part, mb_spec)
-        step = engine.train_minibatch(mbs, make_loss_fn(normaliser))
+        step = engine.train_minibatch(mbs, make_loss_fn(normaliser), temperature)
         tracker.mean("grad_norm", step["grad_norm"])
         tracker.mean("lr", step["lr"])
 
@@ -170,10 +171,9 @@ def actor_train_step(
     _sequence_stats(tracker, batch, global_step)
 
     def make_loss_fn(normaliser: float) -> LossFn:
-        def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            logp = token_logprobs(logits, mb["packed_input_ids"], mb[CU], ppo.gen.temperature)
+        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
             loss, stats = actor_loss(
-                logp,
+                out["logprobs"],
                 mb[old_key],
                 mb["advantages"],
                 mb["loss_mask"],
@@ -185,12 +185,14 @@ def actor_train_step(
                 loss_normalizer=normaliser,
             )
             tracker.add(stats, totals=ACTOR_TOTALS)
+            tracker.masked("entropy", out["entropy"].detach(), mb["loss_mask"])
             tracker.mean("early_stopped", stats["early_stopped"])
             return loss
 
         return loss_fn
 
-    _train_minibatches(engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker)
+    temperature = ppo.gen.temperature
+    _train_minibatches(engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker, temperature)
     return tracker.reduce("ppo_actor")
 
 
@@ -204,9 +206,9 @@ def critic_train_step(
     tracker = StatsTracker()
 
     def make_loss_fn(normaliser: float) -> LossFn:
-        def loss_fn(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
             loss, stats = critic_loss(
-                values,
+                out["values"],
                 mb["values"],
                 mb["returns"],
                 mb["loss_mask"],
@@ -233,9 +235,8 @@ def sft_train_step(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -
     tracker.total("n_tokens", mask.sum())
 
     def make_loss_fn(normaliser: float) -> LossFn:
-        def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            logp = token_logprobs(logits, mb["packed_input_ids"], mb[CU])
-            nll = torch.where(mb["loss_mask"], -logp, 0.0).sum()
+        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            nll = torch.where(mb["loss_mask"], -out["logprobs"], 0.0).sum()
             tracker.total("nll", nll)
             return nll / normaliser
 

@@ -8,12 +8,11 @@ trained head in ``value_head.safetensors`` beside the base weights and is loaded
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
 
@@ -43,9 +42,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype) -> ValueModel:
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype, **kwargs) -> ValueModel:
         """The base of the (LM or value model) directory ``path``, with its saved head if it has one."""
-        model = cls(AutoModel.from_pretrained(path, dtype=dtype))
+        model = cls(AutoModel.from_pretrained(path, dtype=dtype, **kwargs))
         head = Path(path) / VALUE_HEAD_FILE
         if head.is_file():
             model.value_head.load_state_dict(load_file(head))
@@ -56,11 +55,15 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1)
 
 
-def load_model(path: str | Path, dtype: torch.dtype, critic: bool = False) -> nn.Module:
-    """The causal LM (or, with ``critic``, the value model) of the HF directory ``path`` in ``dtype``."""
+def load_model(
+    path: str | Path, dtype: torch.dtype, critic: bool = False, attention: str | None = None
+) -> nn.Module:
+    """The causal LM (or, with ``critic``, the value model) of the HF directory ``path`` in ``dtype``, with
+    attention implementation ``attention`` (transformers' default when None)."""
+    kwargs = {"attn_implementation": attention} if attention else {}
     if critic:
-        return ValueModel.from_pretrained(path, dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return ValueModel.from_pretrained(path, dtype, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -70,34 +73,6 @@ def enable_checkpointing(model: nn.Module) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _cast_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    # Cast each storage once, so tied weights stay one tensor and save_pretrained still drops the duplicate.
-    cast: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key not in cast:
-            cast[key] = tensor.detach().to(dtype)
-        out[name] = cast[key]
-    return out
-
-
-def save_model(model: nn.Module, out_dir: Path, dtype: torch.dtype) -> None:
-    """Write ``model`` into ``out_dir`` as an HF directory (safetensors) with weights in ``dtype``."""
-    if isinstance(model, ValueModel):
-        model.base.save_pretrained(out_dir, state_dict=_cast_state_dict(model.base, dtype))
-        save_file(_cast_state_dict(model.value_head, dtype), out_dir / VALUE_HEAD_FILE)
-    else:
-        model.save_pretrained(out_dir, state_dict=_cast_state_dict(model, dtype))
-    # save_pretrained records the parameters' dtype; the files hold `dtype`.
-    config_path = out_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    for key in ("dtype", "torch_dtype"):  # transformers 5 and 4 spellings
-        if key in config:
-            config[key] = str(dtype).removeprefix("torch.")
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def copy_tokenizer(src_dir: Path, out_dir: Path) -> None:

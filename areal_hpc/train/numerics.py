@@ -1,4 +1,5 @@
-"""The numerics every training backend shares: token logprobs from logits, and the learning-rate schedule."""
+"""The numerics every training backend shares: token logprobs from logits, the optimizer and its learning-rate
+schedule."""
 
 from __future__ import annotations
 
@@ -10,8 +11,20 @@ import torch
 from areal_hpc.algo import align_next_token
 from areal_hpc.config import OptimizerConfig
 
-# A micro-batch's model output (logits [T, V] or values [T]) and its tensors -> its share of the minibatch loss.
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+# A micro-batch's float32 per-token model outputs and its tensors -> its share of the minibatch loss.
+# Outputs of an LM: "logprobs" (token-aligned, with the gradient) and "entropy" (for monitoring: no gradient);
+# of a value model: "values".
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
+
+
+def make_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on biases and norm scales (the 1-D ones)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
 
 
 def lr_factor(step: int, total_steps: int, opt: OptimizerConfig) -> float:
@@ -49,3 +62,14 @@ def token_logprobs(
     next_ids = torch.roll(input_ids, -1)  # the last token of a sequence gets garbage, dropped below
     picked = logits.gather(-1, next_ids[:, None]).squeeze(-1)
     return align_next_token(picked - logits.logsumexp(-1), cu_seqlens)
+
+
+def token_entropy(logits: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Token-aligned float32 entropy of the distribution each token was drawn from (first tokens: 0); no
+    gradient."""
+    entropy = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for start in range(0, logits.shape[0], 2048):  # rows at a time: no second [T, V] float32 copy
+            logp = torch.log_softmax(logits[start : start + 2048].float() / temperature, -1)
+            entropy[start : start + 2048] = -(logp.exp() * logp).sum(-1)
+    return align_next_token(entropy, cu_seqlens)

@@ -5,10 +5,10 @@ then the blocking `initialize`, `inference`, `train_step`, `save`, run at each `
 batch files holding this rank's samples (`refs`, read with `data.batch.gather`) and, for inference, the file
 to write the outputs to.
 
-Weight publication over a broadcast group (`areal_hpc.weights`), asked of rank 0 alone and answered on arrival:
-`weight_group_store` (serve the group's store; reply its address), `init_weight_group` (join as rank 0 once
-every server joins; reply the bucket plan), `broadcast_weights` (send the actor's weights), and
-`destroy_weight_group`.
+Weight publication over a broadcast group (`areal_hpc.weights`), answered on arrival: `weight_group_store`
+(serve the group's store; reply its address), `init_weight_group` (join as rank 0 once every server joins;
+reply the bucket plan) and `destroy_weight_group`, asked of rank 0 alone; `broadcast_weights`, asked of every
+rank: the actor's full weights are gathered tensor by tensor on all ranks, and rank 0 sends them.
 """
 
 from __future__ import annotations
@@ -135,16 +135,21 @@ class TrainerHandlers:
         buckets = self.weight_sender.join(
             payload["world_size"],
             payload["backend"],
-            actor.hf_weights(),
+            actor.hf_params(),
             actor.dtype,
             payload["bucket_bytes"],
         )
         return {"buckets": plan_payload(buckets)}
 
     def broadcast_weights(self, payload: dict) -> dict:
-        """Broadcast the actor's current weights as planned; `{"bytes", "buckets", "secs"}`."""
-        self._only_rank0("broadcast_weights")
-        return self.weight_sender.send(self.engines["actor"].hf_weights())
+        """Rank 0: broadcast the actor's current weights as planned, `{"bytes", "buckets", "secs"}`; other
+        ranks: take part in gathering them, `{}`."""
+        weights = self.engines["actor"].hf_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return {}
+        return self.weight_sender.send(weights)
 
     def destroy_weight_group(self, payload: Any) -> dict:
         self.weight_sender.close()

@@ -4,7 +4,8 @@
 store of a fresh weight group (request ``weight_group_store``), then every server joins it over HTTP
 (``/init_weights_update_group``, rank 1 + i) while trainer rank 0 joins as rank 0 (``init_weight_group``,
 which answers with the bucket plan). Each publish pauses generation (running requests end with finish reason
-abort and return their partial output), then trainer rank 0 broadcasts the buckets (``broadcast_weights``)
+abort and return their partial output), then the trainer ranks gather the weights and rank 0 broadcasts the
+buckets (``broadcast_weights``)
 while each server receives them, one ``/update_weights_from_distributed`` request per bucket with
 ``load_format: "flattened_bucket"`` (SGLang's API), and finally generation continues on the new weights.
 
@@ -151,8 +152,8 @@ class BroadcastPublisher:
             pause = {n: lambda c=c: c.pause_generation("abort") for n, c in servers.items()}
             run_all(pause, call_t, "pausing generation")
         # else each server lets its running requests finish before it receives (and holds new ones)
-        tasks: dict[str, Callable[[], Any]] = {
-            TRAINER: lambda: self.trainers.call_one(0, "broadcast_weights", {"version": version}, call_t)
+        tasks: dict[str, Callable[[], Any]] = {  # every rank gathers, rank 0 sends
+            TRAINER: lambda: self.trainers.call_each("broadcast_weights", {"version": version}, call_t)[0]
         }
         for name, client in servers.items():
             tasks[name] = lambda c=client: self._update_server(c, version)

@@ -1,17 +1,18 @@
 """The trainer's end of weight publication: trainer rank 0 hosts the group's store, joins as rank 0 and
 broadcasts the actor's weights bucket by bucket.
 
-What is sent is the engine's ``hf_weights()``, the HF model's state dict: its names (``model.layers.0.self_attn.q_proj.weight``), in
-its order, cast to the configured dtype. Tied weights appear under each name the state dict gives them
-(``model.embed_tokens.weight`` and ``lm_head.weight`` of a tied Qwen2); a receiver that copies by name into
-its own state dict writes the same values into the one shared tensor twice, which is consistent.
+What is sent is the engine's ``hf_weights()`` stream, planned from its ``hf_params()``: HF names
+(``model.layers.0.self_attn.q_proj.weight``), in the model's order, cast to the configured dtype. A tied weight
+appears under each name the engine gives it (the torch engine's state dict names ``model.embed_tokens.weight``
+and ``lm_head.weight`` of a tied Qwen2; a sharded engine each parameter once); a receiver that copies by name
+into its own state dict writes into the one shared tensor either way.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -30,19 +31,34 @@ def weight_metas(weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None 
 
 
 def send_buckets(
-    group: WeightGroup, weights: Mapping[str, torch.Tensor], buckets: list[list[TensorMeta]]
+    group: WeightGroup,
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    buckets: list[list[TensorMeta]],
 ) -> int:
-    """Broadcast each bucket of ``weights`` as one flat buffer; returns the bytes sent."""
-    missing = [m.name for b in buckets for m in b if m.name not in weights]
-    if missing:
+    """Broadcast each bucket of ``weights`` as one flat buffer; returns the bytes sent.
+
+    ``weights`` may be a stream of ``(name, tensor)`` (a sharded engine gathers each as it comes): a bucket is
+    sent as soon as its last tensor arrived, so in plan order only one bucket's tensors are held at a time.
+    """
+    stream = weights.items() if isinstance(weights, Mapping) else weights
+    bucket_of = {m.name: i for i, b in enumerate(buckets) for m in b}
+    held: dict[str, torch.Tensor] = {}
+    total, next_bucket = 0, 0
+    for name, tensor in stream:
+        if name in bucket_of:
+            held[name] = tensor
+        while next_bucket < len(buckets) and all(m.name in held for m in buckets[next_bucket]):
+            bucket = buckets[next_bucket]
+            flat = flatten([held.pop(m.name) for m in bucket], to_dtype(bucket[0].dtype))
+            what = f"bucket {next_bucket + 1}/{len(buckets)} ({len(bucket)} tensors, {flat.nbytes} bytes)"
+            group.broadcast(flat, what)
+            total += flat.nbytes
+            next_bucket += 1
+    if next_bucket < len(buckets):
+        missing = [m.name for b in buckets[next_bucket:] for m in b if m.name not in held]
         raise KeyError(
             f"the model has no weights named {missing[:5]} (of {len(missing)}) that the plan lists"
         )
-    total = 0
-    for i, bucket in enumerate(buckets):
-        flat = flatten([weights[m.name] for m in bucket], to_dtype(bucket[0].dtype))
-        group.broadcast(flat, f"bucket {i + 1}/{len(buckets)} ({len(bucket)} tensors, {flat.nbytes} bytes)")
-        total += flat.nbytes
     return total
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,27 +19,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from areal_hpc.config import MicroBatchSpec, ModelConfig, OptimizerConfig
-from areal_hpc.control import write_manifest
+from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist
+from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
-from areal_hpc.train.models import DTYPES, copy_tokenizer, enable_checkpointing, load_model, save_model
-from areal_hpc.train.numerics import LossFn, lr_factor, token_logprobs
+from areal_hpc.train.models import DTYPES, enable_checkpointing, load_model
+from areal_hpc.train.numerics import LossFn, lr_factor, make_optimizer, token_entropy, token_logprobs
 
 logger = logging.getLogger(__name__)
 
 GRAD_BUCKET_NUMEL = 32 * 1024 * 1024  # gradients all-reduced per bucket of this many elements
-
-
-def _make_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.AdamW:
-    # No weight decay on biases and norm scales (the 1-D parameters), as is usual for transformers.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
 
 
 def _buckets(params: Sequence[torch.nn.Parameter], max_numel: int) -> list[list[torch.nn.Parameter]]:
@@ -91,7 +79,7 @@ class TorchEngine:
         if self.trainable:
             if model_cfg.gradient_checkpointing:
                 enable_checkpointing(self.model)
-            self.optimizer = _make_optimizer(self.model, model_cfg.optimizer)
+            self.optimizer = make_optimizer(self.model, model_cfg.optimizer)
             schedule = partial(lr_factor, total_steps=max(1, total_train_steps), opt=model_cfg.optimizer)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         else:
@@ -142,8 +130,19 @@ class TorchEngine:
 
     # --- training ---------------------------------------------------------------------------------------
 
+    def outputs(self, mb: Mapping[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """The per-token outputs a loss takes (``numerics.LossFn``), from the full logits."""
+        out = self.forward(mb)
+        if self.critic:
+            return {"values": out}
+        ids, cu = mb["packed_input_ids"], mb[CU]
+        return {
+            "logprobs": token_logprobs(out, ids, cu, temperature),
+            "entropy": token_entropy(out, cu, temperature),
+        }
+
     def train_minibatch(
-        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn
+        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, float]:
         """One optimizer step on a minibatch: gradients accumulated over ``micro_batches``, summed over ranks.
 
@@ -153,17 +152,19 @@ class TorchEngine:
         (before clipping) and ``lr`` (the rate this step used).
         """
         self._require_optimizer().zero_grad(set_to_none=True)
-        loss = self.backward(micro_batches, loss_fn)
+        loss = self.backward(micro_batches, loss_fn, temperature)
         return {"loss": loss, **self.step()}
 
-    def backward(self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn) -> float:
+    def backward(
+        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
+    ) -> float:
         """Accumulate this rank's gradients of ``loss_fn`` over ``micro_batches``; returns the summed loss."""
         self._require_optimizer()
         self.model.train()
         total = 0.0
         for mb_arrays in micro_batches:
             mb = to_torch(mb_arrays, self.device)
-            loss = loss_fn(self.forward(mb), mb)
+            loss = loss_fn(self.outputs(mb, temperature), mb)
             loss.backward()
             total += loss.item()
         self.model.eval()
@@ -211,32 +212,18 @@ class TorchEngine:
     # --- saving -----------------------------------------------------------------------------------------
 
     def save_hf(self, path: str | Path) -> Path | None:
-        """Write the model as an HF directory at ``path`` (weights in the configured dtype, safetensors, plus
-        the source's tokenizer files and, last, a manifest of sizes and sha256), atomically: built under a
-        temporary name, then renamed. Rank 0 writes; other ranks return None at once (the caller synchronises
-        if it must)."""
-        if dist.get_rank() != 0:
-            return None
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_model(self.model, tmp, self.dtype)
-        copy_tokenizer(self.source_dir, tmp)
-        write_manifest(tmp)
-        if path.exists():  # a directory cannot be renamed over a non-empty one: move the old one aside
-            old = path.with_name(f".{path.name}.old{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-        return path
+        """Write the model as an HF directory at ``path`` (weights in the configured dtype, safetensors, the
+        source's tokenizer files, a manifest last), atomically. Rank 0 writes; other ranks return None."""
+        return write_hf_dir(path, self.model, self.hf_weights(), self.source_dir, self.dtype)
 
-    def hf_weights(self) -> dict[str, torch.Tensor]:
+    def hf_params(self) -> dict[str, torch.Tensor]:
         """The model's weights under their HF names, in the HF state dict's order (tied weights under every
-        name): what weight publication sends."""
+        name): what weight publication plans and sends."""
         return dict(self.model.state_dict())
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``hf_params`` one tensor at a time (no collective: every rank holds them whole)."""
+        yield from self.hf_params().items()
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and LR-schedule state, for recover checkpoints."""

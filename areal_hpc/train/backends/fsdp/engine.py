@@ -1,0 +1,271 @@
+"""FSDPEngine: one model sharded over the data-parallel ranks with FSDP2 (``fully_shard``), run on packed
+micro-batches.
+
+- Sharding: each decoder layer is its own FSDP unit, the rest (embeddings, final norm, LM head) the root's.
+  Parameters, gradients and AdamW state live as shards (DTensors): a rank holds 1/N of each.
+- Precision: float32 master weights; with a lower ``dtype`` the unsharded parameters are cast to it for
+  compute and gradients are reduced in float32 (FSDP2's MixedPrecisionPolicy). An inference-only engine
+  (ref) keeps its weights in ``dtype``.
+- Gradients are SUMMED over ranks (the loss is already divided by the global normaliser), clipped over the
+  norm of the whole sharded gradient.
+- Inputs: a micro-batch runs as one packed row (``train.packed``): no padding is computed. The LM's
+  logprobs and entropy come from ``train.head`` in chunks of tokens: no ``[T, V]`` logits.
+- Every forward and backward is a collective: a rank with fewer micro-batches than another runs empty
+  ones (one token, zero loss), so every rank makes the same calls.
+- ``optimizer.offload``: AdamW state lives in CPU memory and is streamed to the device one parameter at a
+  time for the update, so the device holds weights and gradients only (a 7B model trains on one H200).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from areal_hpc.algo import align_next_token
+from areal_hpc.config import MicroBatchSpec, ModelConfig
+from areal_hpc.data import CU, select
+from areal_hpc.train import dist
+from areal_hpc.train.backends.hf_dir import write_hf_dir
+from areal_hpc.train.head import chunked_logprobs
+from areal_hpc.train.microbatch import micro_batch_groups, seq_lengths, to_torch, token_indices
+from areal_hpc.train.models import DTYPES, ValueModel, enable_checkpointing, load_model
+from areal_hpc.train.numerics import LossFn, lr_factor, make_optimizer
+from areal_hpc.train.packed import ATTENTION, packed_kwargs
+
+logger = logging.getLogger(__name__)
+
+HEAD_CHUNK_TOKENS = 2048  # LM-head rows per chunk: a [2048, 151936] float32 block is 1.2 GB
+EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
+
+
+class PackedModel(nn.Module):
+    """An HF model on one packed micro-batch -> float32 per-token outputs, token-aligned.
+
+    LM: ``logprobs`` of each token given the previous ones of its sequence, and the ``entropy`` of the
+    distribution it was drawn from (0 at each sequence's first token). Value model: ``values``.
+    The LM head runs inside this module's forward, where FSDP has its weight unsharded.
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int = HEAD_CHUNK_TOKENS):
+        super().__init__()
+        self.model, self.chunk_tokens = model, chunk_tokens
+        self.critic = isinstance(model, ValueModel)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0):
+        packed = packed_kwargs(cu_seqlens)
+        if self.critic:
+            values = self.model(input_ids[None], None, use_cache=False, **packed)[0]
+            return {"values": values.float().clone()}  # not a view: FSDP hooks the output for backward
+        hidden = self.model.model(input_ids=input_ids[None], use_cache=False, **packed).last_hidden_state[0]
+        labels = torch.roll(input_ids, -1)  # each sequence's last position predicts garbage, dropped below
+        logp, entropy = chunked_logprobs(
+            hidden, self.model.lm_head.weight, labels, temperature, self.chunk_tokens
+        )
+        return {
+            "logprobs": align_next_token(logp, cu_seqlens),
+            "entropy": align_next_token(entropy, cu_seqlens),
+        }
+
+
+def _shard(net: PackedModel, mp: MixedPrecisionPolicy | None) -> None:
+    layer_types = tuple(getattr(net.model, "_no_split_modules", None) or ())
+    if isinstance(net.model, ValueModel):
+        layer_types = tuple(getattr(net.model.base, "_no_split_modules", None) or ())
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for module in net.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, **kwargs)
+    fully_shard(net, **kwargs)
+    for module in net.modules():  # summed, not averaged, over ranks (with a plain SUM, which gloo has)
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+class FSDPEngine:
+    """A model (causal LM, or with ``critic`` a value model) sharded over this process group's ranks.
+
+    Arguments as ``TorchEngine``'s. Alone (no process group), the engine starts a one-rank group itself.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        total_train_steps: int | None = None,
+        seed: int = 1,
+        *,
+        critic: bool = False,
+    ):
+        if not model_cfg.path:
+            raise ValueError("the model config has no path to load the model from")
+        dist.init_alone()
+        torch.manual_seed(seed)
+        self.cfg, self.source_dir = model_cfg, Path(model_cfg.path)
+        self.device, self.dtype = dist.default_device(), DTYPES[model_cfg.dtype]
+        self.trainable, self.critic = total_train_steps is not None, critic
+        model = load_model(
+            self.source_dir, torch.float32 if self.trainable else self.dtype, critic, attention=ATTENTION
+        )
+        if self.trainable and model_cfg.gradient_checkpointing:
+            enable_checkpointing(model)
+        self.net = PackedModel(model).to(self.device)
+        mixed = self.trainable and self.dtype != torch.float32
+        _shard(
+            self.net,
+            MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if mixed else None,
+        )
+        self.optimizer = self.scheduler = None
+        self.offload = self.trainable and getattr(model_cfg.optimizer, "offload", False)
+        if self.trainable:
+            self.optimizer = make_optimizer(self.net, model_cfg.optimizer)
+            schedule = partial(lr_factor, total_steps=max(1, total_train_steps), opt=model_cfg.optimizer)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        else:
+            self.net.requires_grad_(False)
+        self.net.eval()
+
+    # --- forward ----------------------------------------------------------------------------------------
+
+    def _run(self, mb: Mapping[str, torch.Tensor], temperature: float) -> dict[str, torch.Tensor]:
+        return self.net(mb["packed_input_ids"], mb[CU], temperature)
+
+    def _inference(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec, key: str, temperature=1.0):
+        inputs = {CU: batch[CU], "packed_input_ids": batch["packed_input_ids"]}
+        out = torch.zeros(int(batch[CU][-1]), dtype=torch.float32)
+        self.net.eval()
+        with torch.no_grad():
+            for group in _same_count(micro_batch_groups(seq_lengths(batch), mb_spec)):
+                mb = to_torch(EMPTY_MB if group is None else select(inputs, group), self.device)
+                values = self._run(mb, temperature)[key]
+                if group is not None:
+                    out[torch.from_numpy(token_indices(batch[CU], group))] = values.cpu()
+        return out
+
+    def logprobs(self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec):
+        """Token-aligned float32 logprobs (T) of ``packed_input_ids``; 0 at each sequence's first token."""
+        if self.critic:
+            raise TypeError("a critic engine has values, not logprobs")
+        return self._inference(batch, mb_spec, "logprobs", temperature)
+
+    def values(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec) -> torch.Tensor:
+        if not self.critic:
+            raise TypeError("values need a critic engine (critic=True)")
+        return self._inference(batch, mb_spec, "values")
+
+    # --- training ---------------------------------------------------------------------------------------
+
+    def train_minibatch(
+        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's ``micro_batches`` (see ``TrainEngine``)."""
+        optimizer = self._require_optimizer()
+        optimizer.zero_grad(set_to_none=True)
+        self.net.train()
+        total = 0.0
+        for mb_arrays in _same_count(list(micro_batches)):
+            mb = to_torch(EMPTY_MB if mb_arrays is None else mb_arrays, self.device)
+            outputs = self._run(mb, temperature)
+            loss = next(iter(outputs.values())).sum() * 0.0 if mb_arrays is None else loss_fn(outputs, mb)
+            loss.backward()
+            total += loss.item()
+        self.net.eval()
+        return {"loss": total, **self._step()}
+
+    def _step(self) -> dict[str, float]:
+        optimizer = self.optimizer
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        for p in params:  # a parameter no micro-batch used contributes zero
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.gradient_clipping)
+        grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        lr = optimizer.param_groups[0]["lr"]
+        if not math.isfinite(grad_norm):
+            logger.warning("gradient norm is %s: skipping this optimizer step", grad_norm)
+        elif self.offload:
+            _offloaded_step(optimizer, params, self.device)
+        else:
+            optimizer.step()
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("this engine is inference-only (made with total_train_steps=None)")
+        return self.optimizer
+
+    # --- weights out ------------------------------------------------------------------------------------
+
+    def hf_params(self) -> dict[str, torch.Tensor]:
+        """The model's parameters under their HF names, each once, as held (shards): their global shapes and
+        dtypes plan publication."""
+        return dict(self.net.model.named_parameters())
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``hf_params`` as full tensors in the compute dtype, gathered one at a time: a collective (every rank
+        drains it), and no rank ever holds a second full copy of the model."""
+        for name, param in self.hf_params().items():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            yield name, full.detach().to(self.dtype)
+
+    def save_hf(self, path: str | Path) -> Path | None:
+        """The model as an HF directory (a collective; rank 0 writes shard files as tensors are gathered)."""
+        return write_hf_dir(path, self.net.model, self.hf_weights(), self.source_dir, self.dtype)
+
+    # --- recover state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sharded model and optimizer state (DTensors, by parameter name) for a DCP checkpoint."""
+        state = {"model": get_model_state_dict(self.net)}
+        if self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.net, self.optimizer)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        set_model_state_dict(self.net, state["model"], options=StateDictOptions(strict=True))
+        if self.optimizer is not None and "optimizer" in state:
+            set_optimizer_state_dict(self.net, self.optimizer, state["optimizer"])
+
+
+def _same_count(items: list) -> list:
+    """``items`` padded with None up to the longest list of any rank (each None: an empty micro-batch)."""
+    n = int(dist.all_reduce(torch.tensor(len(items)), "max").item())
+    return list(items) + [None] * (n - len(items))
+
+
+def _offloaded_step(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], device: torch.device
+) -> None:
+    """The optimizer's step one parameter at a time, its state brought from CPU memory and put back, so the
+    device never holds more than one parameter's optimizer state."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    for p, grad in zip(params, grads, strict=True):
+        state = optimizer.state.get(p)
+        if state:  # "step" stays where AdamW keeps it (a CPU scalar)
+            optimizer.state[p] = {k: v if k == "step" else v.to(device) for k, v in state.items()}
+        p.grad = grad
+        optimizer.step()
+        p.grad = None
+        optimizer.state[p] = {k: v if k == "step" else v.to("cpu") for k, v in optimizer.state[p].items()}
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad

@@ -1,0 +1,96 @@
+"""Packed micro-batches without padding: the sequences of a micro-batch laid end to end as one row, attention
+confined to each sequence.
+
+The HF model runs on ``input_ids [1, T]`` with ``position_ids`` restarting at 0 for every sequence (the rotary
+embedding of each token is that of its sequence alone) and the attention function registered here under
+``ATTENTION``, which reads the sequences' bounds from ``cu_seq_lens_q``/``max_length_q`` (the names
+transformers passes through to attention, as for FlashAttention's varlen kernels):
+
+- on CUDA in bf16 or fp16, PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``): no
+  padding, no mask;
+- otherwise (the CPU tests, float32), causal SDPA over each sequence in turn: exact, and fast enough for tiny
+  models.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION = "areal_packed"
+
+
+def packed_kwargs(cu_seqlens: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """The model inputs besides ``input_ids [1, T]`` that make it run a packed micro-batch."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+    positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+    cu32 = cu_seqlens.to(torch.int32)
+    return {
+        "position_ids": positions[None],
+        "cu_seq_lens_q": cu32,
+        "cu_seq_lens_k": cu32,
+        "max_length_q": int(lengths.max()),
+        "max_length_k": int(lengths.max()),
+    }
+
+
+def _varlen(q, k, v, cu, max_len, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scale}
+    if "window_size" in params:  # torch >= 2.12 spells causality as a window
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
+    elif k.shape[1] != q.shape[1]:  # older kernels want as many key heads as query heads
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def _per_sequence(q, k, v, cu, scale):
+    out = torch.empty_like(q)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, n, dim]
+        out[start:end] = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
+        ).transpose(0, 1)
+    return out
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed sequence: ``[1, heads, T, dim]`` in, ``[1, T, heads, dim]`` out."""
+    if cu_seq_lens_q is None:
+        raise ValueError(f"attention {ATTENTION!r} needs the packed sequences' bounds (packed_kwargs)")
+    if dropout or sliding_window or query.shape[0] != 1:
+        raise NotImplementedError(
+            f"attention {ATTENTION!r} runs one packed row without dropout or a sliding window "
+            f"(got batch {query.shape[0]}, dropout {dropout}, sliding_window {sliding_window})"
+        )
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, dim]
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        out = _varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+    else:
+        out = _per_sequence(q, k, v, cu_seq_lens_q, scaling)
+    return out[None], None
+
+
+AttentionInterface.register(ATTENTION, packed_attention)
