@@ -42,18 +42,24 @@ def snapshot_files(folder: Path) -> list[Path]:
     return files
 
 
-def write_manifest(folder: str | os.PathLike, extra: dict[str, Any] | None = None) -> dict:
-    """Write ``folder/manifest.json`` (sizes and sha256 of every file), atomically; returns the manifest."""
+def write_manifest(
+    folder: str | os.PathLike, extra: dict[str, Any] | None = None, known: dict[str, dict] | None = None
+) -> dict:
+    """Write ``folder/manifest.json`` (sizes and sha256 of every file), atomically; returns the manifest.
+
+    ``known`` holds entries their writers hashed as they wrote (name -> size and sha256): those files are not
+    read again, unless their size differs.
+    """
     folder = Path(folder)
-    manifest = {
-        "format": FORMAT,
-        "created": time.time(),
-        **(extra or {}),
-        "files": {
-            p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in snapshot_files(folder)
-        },
-    }
+    known = known or {}
+    files = {}
+    for path in snapshot_files(folder):
+        name, size = path.relative_to(folder).as_posix(), path.stat().st_size
+        entry = known.get(name)
+        files[name] = (
+            entry if entry and entry["size"] == size else {"size": size, "sha256": sha256_file(path)}
+        )
+    manifest = {"format": FORMAT, "created": time.time(), **(extra or {}), "files": files}
     tmp = folder / f".{MANIFEST}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)

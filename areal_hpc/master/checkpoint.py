@@ -1,10 +1,14 @@
 """The controller's recover checkpoints: one collects everything that has a `state_dict`.
 
-A checkpoint of global step N (`recover.Checkpoints`, written atomically with a manifest) holds each trainer
-rank's file (its models, optimizers, LR schedules and generators), the ledger and the rollout store as they
-are, and `controller.json`: the identity settings a resume must agree with and the `state_dict()` of every
-component of the controller (the step counter, the step source's sampler, the frequency controls, the
-evaluation history).
+A checkpoint of global step N (`recover.Checkpoints`, written atomically with a manifest) holds the trainer
+ranks' part (the shards of the trained models' weights and optimizer state, one copy in all; the LR
+schedules; each rank's generators), the ledger and the rollout store as they are, and `controller.json`: the
+identity settings a resume must agree with and the `state_dict()` of every component of the controller (the
+step counter, the step source's sampler, the frequency controls, the evaluation history).
+
+Saving does not hold training up while the shards are written: `save` returns once the trainer ranks copied
+their state to CPU memory; training goes on while they write it, and `finish` seals the checkpoint (its
+manifest, from the sizes and sha256 the ranks computed as they wrote, then the rename) once they are done.
 """
 
 from __future__ import annotations
@@ -32,13 +36,32 @@ class Checkpointer:
         self.cfg, self.run, self.trainers, self.components = cfg, run, trainers, components
         self.ckpts = Checkpoints(run.recover, cfg.recover_keep)
 
-    def save(self, step: int) -> Path:
+        self.pending: tuple[Path, int] | None = None  # the checkpoint being written: (folder, step)
+
+    def save(self, step: int, wait: bool = False) -> Path | None:
+        """Begin the checkpoint of `step` (after sealing the one before); with `wait`, seal it too (its path)."""
+        self.finish(wait=True)
         tmp = self.ckpts.begin(step)
         self.trainers.call_all("recover_save", {"dir": str(tmp)})
         save_into(self.run, tmp)
         state = {name: c.state_dict() for name, c in self.components.items()}
         fsio.write_json(tmp / CONTROLLER_FILE, {"identity": identity(self.cfg), **state})
-        path = self.ckpts.commit(tmp, step)
+        self.pending = (tmp, step)
+        return self.finish(wait=wait)
+
+    def finish(self, wait: bool = True) -> Path | None:
+        """Seal the pending checkpoint once the trainer ranks wrote it (`wait`: until they have); its path, or
+        None if none was pending or, without `wait`, it is not written yet."""
+        if self.pending is None:
+            return None
+        if not wait and not all(r["done"] for r in self.trainers.call_each("recover_poll")):
+            return None
+        tmp, step = self.pending
+        known = {
+            name: e for r in self.trainers.call_all("recover_wait", {}) for name, e in r["files"].items()
+        }
+        self.pending = None
+        path = self.ckpts.commit(tmp, step, known)
         logger.info("Dumped recover info to file. (global step %d: %s)", step, path)
         return path
 
@@ -51,4 +74,4 @@ class Checkpointer:
             component.load_state_dict(state[name])
 
     def has(self, step: int) -> bool:
-        return step in self.ckpts.steps()
+        return step in self.ckpts.steps() or (self.pending is not None and self.pending[1] == step)

@@ -100,12 +100,14 @@ class Master:
                 self.evaluate(0)
             while not c.done:
                 self.step()
+            self.checkpointer.finish()
             if self.rl:
                 self.evaluate(c.global_step)
         return self.evaluate.history
 
     def step(self) -> None:
         start, step = time.monotonic(), self.counter.global_step
+        self.checkpointer.finish(wait=False)  # seal a checkpoint whose shards were written meanwhile
         batch = self.source.next(step)
         self.add(batch, birth=start)
         stats = dict(batch.stats)
@@ -134,7 +136,7 @@ class Master:
             self.evaluate(c.global_step)
         due = self.ckpt_ctl.check(epochs=epoch_done, steps=1)
         if self.cfg.recover_mode != "disabled" and not last and (due or self.guard.stop_after_step):
-            self.checkpointer.save(c.global_step)
+            self.checkpointer.save(c.global_step, wait=bool(self.guard.stop_after_step))
         if self.guard.stop_after_step and not last:
             raise Preempted(f"{self.guard.stop_after_step}: stopped after global step {c.global_step}")
 
@@ -225,5 +227,6 @@ class Master:
         step = self.counter.global_step
         logger.warning("step %d given up: %s", step + 1, cause)
         if self.cfg.recover_mode != "disabled" and step > 0 and not self.checkpointer.has(step):
-            self.checkpointer.save(step)
+            self.checkpointer.save(step, wait=True)
+        self.checkpointer.finish()  # one still being written
         raise Preempted(f"{self.guard.stop_after_step}: stopped after global step {step}") from cause

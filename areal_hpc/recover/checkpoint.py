@@ -41,9 +41,10 @@ class Checkpoints:
         tmp.mkdir(parents=True)
         return tmp
 
-    def commit(self, tmp: Path, step: int) -> Path:
-        """Seal `tmp` with its manifest, rename it into place, drop checkpoints beyond `keep`; its path."""
-        write_manifest(tmp, {"kind": KIND, "step": step})
+    def commit(self, tmp: Path, step: int, known: dict[str, dict] | None = None) -> Path:
+        """Seal `tmp` with its manifest (`known`: entries of files hashed as they were written), rename it into
+        place, drop checkpoints beyond `keep`; its path."""
+        write_manifest(tmp, {"kind": KIND, "step": step}, known)
         final = self.path(step)
         if final.exists():  # written before a restart rewound past it: the new one replaces it
             shutil.rmtree(final)

@@ -14,21 +14,22 @@ rank: the actor's full weights are gathered tensor by tensor on all ranks, and r
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from areal_hpc.config import ExperimentConfig, trainer_models
-from areal_hpc.control import RunContext, WorkerServer, task_name
+from areal_hpc.control import RunContext, WorkerServer, fsio, task_name
 from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
 from areal_hpc.train.backends import TrainEngine, make_engine
 from areal_hpc.train.rng import rng_state, set_rng_state
+from areal_hpc.train.sharded import AsyncSave
+from areal_hpc.train.sharded import load as load_shards
 from areal_hpc.weights import WeightSender, plan_payload
 
 logger = logging.getLogger("trainer")
+# A recover checkpoint's trainer part: every rank's shards, the LR schedules, each rank's generators.
+SHARDS, TRAINERS, RNG = "shards", "trainers.json", "rng"
 
 
 class TrainerHandlers:
@@ -39,6 +40,7 @@ class TrainerHandlers:
         self.host = host  # where the servers reach this rank's weight-group store
         self.engines: dict[str, TrainEngine] = {}
         self.weight_sender = WeightSender()
+        self.saver: AsyncSave | None = None
 
     def model_config(self, payload: Any) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "initialized": bool(self.engines)}
@@ -98,26 +100,47 @@ class TrainerHandlers:
     # --- recover checkpoints ----------------------------------------------------------------------------------
 
     def recover_save(self, payload: dict) -> dict:
-        """This rank's part of a recover checkpoint in folder `dir`: the state of every trained model
-        (weights, optimizer, LR schedule) and the rank's random generators."""
-        path = Path(payload["dir"]) / f"{task_name('trainer', self.rank)}.pt"
-        state = {
-            "engines": {name: e.state_dict() for name, e in self.engines.items() if e.trainable},
-            "rng": rng_state(),
-        }
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        return {"path": str(path)}
+        """Start this rank's part of a recover checkpoint in folder `dir`: the shards of every trained model's
+        weights and optimizer state are copied to CPU memory, then written in the background (`recover_wait`
+        says when they are); the LR schedules (rank 0) and this rank's random generators as JSON, at once."""
+        folder = Path(payload["dir"])
+        trained = {name: e for name, e in self.engines.items() if e.trainable}
+        if self.saver is None:  # made by every rank at its first save (a collective)
+            self.saver = AsyncSave()
+        (folder / SHARDS).mkdir(parents=True, exist_ok=True)
+        self.saver.save({name: e.state_dict() for name, e in trained.items()}, folder / SHARDS)
+        fsio.write_json(folder / RNG / f"{task_name('trainer', self.rank)}.json", rng_state())
+        if self.rank == 0:
+            schedules = {name: e.schedule_state() for name, e in trained.items()}
+            fsio.write_json(folder / TRAINERS, {"world_size": self.world_size, "schedules": schedules})
+        return {"models": sorted(trained)}
+
+    def recover_poll(self, payload: Any) -> dict:
+        """Whether this rank's shards of the last `recover_save` are written (answers at once)."""
+        return {"done": self.saver is None or not self.saver.pending() or self.saver.done()}
+
+    def recover_wait(self, payload: Any) -> dict:
+        """Until this rank's shards are written: their sizes and sha256, for the checkpoint's manifest."""
+        files = self.saver.wait() if self.saver is not None else {}
+        return {"files": {f"{SHARDS}/{name}": entry for name, entry in files.items()}}
 
     def recover_load(self, payload: dict) -> dict:
-        """Restore what `recover_save` wrote into folder `dir`."""
-        path = Path(payload["dir"]) / f"{task_name('trainer', self.rank)}.pt"
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        for name, engine_state in state["engines"].items():
+        """Restore what `recover_save` wrote into folder `dir`, whatever number of ranks wrote it."""
+        folder = Path(payload["dir"])
+        meta = fsio.read_json(folder / TRAINERS)
+        state = {name: self.engines[name].state_dict() for name in meta["schedules"]}
+        load_shards(state, folder / SHARDS)
+        for name, engine_state in state.items():
             self.engines[name].load_state_dict(engine_state)
-        set_rng_state(state["rng"])
-        return {"models": sorted(state["engines"])}
+            self.engines[name].load_schedule_state(meta["schedules"][name])
+        rng = fsio.read_json(folder / RNG / f"{task_name('trainer', self.rank)}.json")
+        if rng is not None:
+            set_rng_state(rng)
+        else:  # more ranks than wrote the checkpoint: this one keeps its own (only sampling would differ)
+            logger.warning("rank %d: %s holds no random generators of this rank", self.rank, folder)
+        if meta["world_size"] != self.world_size:
+            logger.info("resharded a checkpoint of %d ranks onto %d", meta["world_size"], self.world_size)
+        return {"models": sorted(state)}
 
     # --- weight publication (rank 0 of the training group only) ---------------------------------------------
 
@@ -169,4 +192,6 @@ def serve_trainer(ctx: RunContext) -> None:
         WorkerServer(ctx.run, ctx.name, handlers).serve()
     finally:
         handlers.weight_sender.close()
+        if handlers.saver is not None:
+            handlers.saver.close()
         dist.destroy()

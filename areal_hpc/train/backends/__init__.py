@@ -4,13 +4,14 @@ A backend is a package (config/backends.py names it, by `actor.backend`, `ref.ba
 `Engine(model_cfg, total_train_steps, seed, critic=...)` is a `TrainEngine`. The model function calls
 (`train.interfaces`), the request handlers (`train.worker`) and weight publication use nothing else of it.
 
+    fsdp    parameters, gradients and optimizer state sharded over the data-parallel ranks (the default)
     torch   the whole model on every rank, gradients summed over the data-parallel ranks
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,20 +38,30 @@ class TrainEngine(Protocol):
         """A value model's float32 value of each prefix."""
 
     def train_minibatch(
-        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn
+        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, float]:
-        """One optimizer step over the ranks' micro-batches; `loss`, `grad_norm`, `lr`."""
+        """One optimizer step over the ranks' micro-batches (the model's logits divided by `temperature`);
+        `loss`, `grad_norm`, `lr`."""
 
     def save_hf(self, path: str | Path) -> Path | None:
         """The model as an HF directory with a manifest (a collective; rank 0 returns the path)."""
 
-    def hf_weights(self) -> Mapping[str, torch.Tensor]:
-        """The full weights under their HF names, for publication to the generation servers."""
+    def hf_params(self) -> Mapping[str, torch.Tensor]:
+        """The weights under their HF names as held (shards of a sharded engine): shapes and dtypes."""
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights under their HF names, one at a time, for publication and HF saves (a collective
+        for a sharded engine: every rank drains it)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """What a recover checkpoint keeps of this rank: weights, optimizer, LR schedule."""
+        """The tensors a recover checkpoint keeps of this rank (weights, optimizer state), by parameter name."""
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def schedule_state(self) -> dict[str, Any]:
+        """The LR schedule's state (JSON)."""
+
+    def load_schedule_state(self, state: Mapping[str, Any]) -> None: ...
 
 
 def make_engine(

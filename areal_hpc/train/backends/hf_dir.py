@@ -53,7 +53,7 @@ def write_hf_dir(
 
     def flush() -> None:
         if shard:
-            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            name = f"shard{len(set(weight_map.values())) + 1}"  # renamed once the count is known
             save_file(shard, tmp / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, name))
             shard.clear()
@@ -73,7 +73,7 @@ def write_hf_dir(
         shard[name] = tensor
         size += tensor.nbytes
     flush()
-    (tmp / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
+    _name_shards(tmp, weight_map)
     if head:
         save_file(head, tmp / VALUE_HEAD_FILE)
     _write_config(base, tmp, dtype)
@@ -87,6 +87,20 @@ def write_hf_dir(
     else:
         os.replace(tmp, path)
     return path
+
+
+def _name_shards(folder: Path, weight_map: dict[str, str]) -> None:
+    """HF's names: one file is ``model.safetensors``; several are ``model-0000i-of-0000n.safetensors`` with an
+    index of which tensor is in which."""
+    shards = sorted(set(weight_map.values()), key=lambda s: int(s.removeprefix("shard")))
+    final = {s: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards, 1)}
+    if len(shards) == 1:
+        final = {shards[0]: "model.safetensors"}
+    for shard, name in final.items():
+        os.replace(folder / shard, folder / name)
+    if len(shards) > 1:
+        index = {"metadata": {}, "weight_map": {t: final[s] for t, s in weight_map.items()}}
+        (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
 
 
 def _tied_duplicate(model: nn.Module, name: str) -> bool:

@@ -22,6 +22,7 @@ import torch
 from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist
+from areal_hpc.train.backends import recover_state
 from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
 from areal_hpc.train.models import DTYPES, enable_checkpointing, load_model
@@ -226,17 +227,15 @@ class TorchEngine:
         yield from self.hf_params().items()
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and LR-schedule state, for recover checkpoints."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-        }
+        """Model and optimizer state (tensors, by parameter name), for recover checkpoints."""
+        return recover_state.tensors(self.model, self.optimizer)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
-        self.model.load_state_dict(state["model"])
-        if self.optimizer and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+        recover_state.load_tensors(self.model, self.optimizer, state)
+
+    def schedule_state(self) -> dict[str, Any]:
+        return recover_state.schedule(self.optimizer, self.scheduler)
+
+    def load_schedule_state(self, state: Mapping[str, Any]) -> None:
+        recover_state.load_schedule(self.optimizer, self.scheduler, state)
