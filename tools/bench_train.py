@@ -189,10 +189,10 @@ def cuda_main(args: argparse.Namespace) -> list[dict]:
             model_dir = work / shape
             n = build_model(shape, model_dir, "cuda")
             ckpt_dir = work / "ckpt" if shape == args.checkpoint else None
-            runs = [("torch", True), ("fsdp", True), ("fsdp", False)]
+            runs = [v.split(":") for v in args.variants.split(",")]
             for backend, ckpt in runs:
-                rows.append(train_once(model_dir, shape, n, backend, ckpt,
-                                       checkpoint_dir=ckpt_dir if backend == "fsdp" and ckpt else None))  # fmt: skip
+                timed = ckpt_dir if backend == "fsdp" and (backend, ckpt) == tuple(runs[-1]) else None
+                rows.append(train_once(model_dir, shape, n, backend, ckpt == "ckpt", checkpoint_dir=timed))
                 print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(model_dir)
         if args.offload_7b:
@@ -265,6 +265,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="1.5b,3b", help="comma-separated shapes to train (cuda)")
     parser.add_argument("--offload-7b", action="store_true", help="also a step of the 7B shape with offload")
     parser.add_argument("--checkpoint", default="3b", help="the shape whose recover checkpoint is timed")
+    parser.add_argument(
+        "--variants", default="torch:ckpt,fsdp:ckpt,fsdp:nockpt",
+        help="backend:ckpt|nockpt runs per shape (the first is the baseline; the last fsdp one times the checkpoint)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON lines")
     args = parser.parse_args()
     rows = cuda_main(args) if args.device == "cuda" else cpu_main(args)

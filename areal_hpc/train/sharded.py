@@ -3,15 +3,16 @@
 
 - One copy in total: each rank writes the shards it holds (FSDP2 DTensors); DCP gives each replicated
   plain tensor (an optimizer ``step``) to one rank.
-- Asynchronous: ``AsyncSave.save`` blocks only while DCP's ``DefaultStager`` copies the state to CPU memory
-  (pinned with a GPU; a new copy each save, freed once written); a thread of ours then runs ``dcp.save`` on
-  the copy and hashes the files it wrote. Not ``dcp.async_save``: it gives no hook, in its writer thread, to hash the files after the
-  write. The thread's collectives run on a gloo group of their own, never on the training group.
+- Asynchronous: ``AsyncSave.save`` blocks only while the state is copied to CPU memory, into buffers made at
+  the first save (pinned with a GPU) and reused by the next ones (DCP's DefaultStager cannot be reused on
+  torch 2.11 and allocates afresh each time); a thread of ours then runs ``dcp.save`` on the copy and hashes
+  the files it wrote. Not ``dcp.async_save``: it gives no hook, in its writer thread, to hash the files after
+  the write. The thread's collectives run on a gloo group of their own, never on the training group.
 - Safetensors, no pickles: DCP's HuggingFaceStorageWriter writes each rank's shards with their offsets in
   the safetensors header, and HuggingFaceStorageReader rebuilds the layout from those headers, so a load
   reshards to any number of ranks and reads no ``.metadata`` pickle. Hence tensors only: the caller keeps
-  non-tensor state (the optimizer's ``param_groups``, counters) in JSON. Tensors that share memory (tied
-  embeddings) are each written whole: safetensors refuses shared memory.
+  non-tensor state (the optimizer's ``param_groups``, counters) in JSON. Each key has its own buffer, so no two
+  staged tensors share memory (which safetensors refuses).
 - Files go into ``folder`` directly; the caller lists them in its manifest and renames the folder.
 """
 
@@ -26,7 +27,6 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from areal_hpc.control import sha256_file
@@ -44,13 +44,7 @@ class AsyncSave:
 
     def __init__(self) -> None:
         self._group = tdist.new_group(backend="gloo") if tdist.is_initialized() else None
-        cuda = torch.cuda.is_available()
-        self._staging = StagingOptions(
-            use_pinned_memory=cuda,
-            use_shared_memory=False,
-            use_async_staging=False,  # the copy is done when save returns
-            use_non_blocking_copy=cuda,
-        )
+        self._buffers: dict[str, torch.Tensor] = {}  # CPU copies (pinned with CUDA), kept for the next save
         self._thread: threading.Thread | None = None
         self._outcome: dict[str, dict] | BaseException | None = None
 
@@ -67,17 +61,33 @@ class AsyncSave:
             raise RuntimeError("this AsyncSave was made before the process group: make it after joining")
         tensors = _tensors(state)
         files = _file_numbers(tensors, tdist.get_world_size(self._group) if self._group else 1)
-        # A stager per save: torch 2.11's clears its cache and copy table after each stage, 2.13's keeps them.
-        stager = DefaultStager(self._staging)
-        try:
-            staged = _unshared(stager.stage(tensors))
-        finally:
-            stager.close()
+        staged = self._stage(tensors)
         self._outcome = None
         self._thread = threading.Thread(
             target=self._write, args=(staged, Path(folder), files), name="AsyncSave", daemon=True
         )
         self._thread.start()
+
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """CPU copies of ``tensors`` (a DTensor keeps its layout around its local shard's copy), into buffers
+        allocated at the first save and reused after: a save then costs one device-to-host copy."""
+        staged = {}
+        for key, tensor in tensors.items():
+            local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+                self._buffers[key] = buffer
+            buffer.copy_(local, non_blocking=local.is_cuda)
+            if isinstance(tensor, DTensor):
+                buffer = DTensor.from_local(
+                    buffer, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                    stride=tensor.stride(), run_check=False,
+                )  # fmt: skip
+            staged[key] = buffer
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies are done: training may change the tensors now
+        return staged
 
     def pending(self) -> bool:
         """A save was started and not yet waited for."""
@@ -108,6 +118,7 @@ class AsyncSave:
         if self._group is not None:
             tdist.destroy_process_group(self._group)
             self._group = None
+        self._buffers = {}
 
     def _write(self, staged: dict[str, torch.Tensor], folder: Path, files: dict[str, int]) -> None:
         try:
@@ -166,18 +177,3 @@ def _file_numbers(tensors: dict[str, torch.Tensor], world_size: int) -> dict[str
         numbers[key] = 1 + total // (FILE_BYTES * world_size)
         total += tensor.numel() * tensor.element_size()
     return numbers
-
-
-def _unshared(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Give a tensor that shares memory with an earlier one (tied weights) a copy of its own: safetensors
-    refuses to write shared memory."""
-    seen = set()
-    for key, tensor in staged.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if not local.numel():
-            continue
-        pointer = local.untyped_storage().data_ptr()
-        if pointer in seen:
-            staged[key] = tensor.clone()
-        seen.add(pointer)
-    return staged
