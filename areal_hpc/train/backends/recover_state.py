@@ -1,7 +1,7 @@
 """What a recover checkpoint keeps of an engine, in the two forms the trainer writes: tensors by parameter name
 (model weights and optimizer state, for the sharded writer ``train.sharded``) and JSON (the LR schedule).
 
-Every engine uses these: ``torch.distributed.checkpoint.state_dict`` names the state by parameter name for a
+Every engine has them through ``RecoverState``: ``torch.distributed.checkpoint.state_dict`` names the state by parameter name for a
 plain module and for an FSDP-sharded one alike, so a checkpoint loads into either layout and any rank count.
 """
 
@@ -70,3 +70,25 @@ def load_schedule(optimizer: torch.optim.Optimizer | None, scheduler, state: dic
     scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(optimizer.param_groups, state["lrs"], strict=True):
         group["lr"] = lr
+
+
+class RecoverState:
+    """The recover-state methods of a ``TrainEngine`` whose ``module``, ``optimizer`` and ``scheduler`` are
+    attributes (``module``: what the optimizer's parameters belong to)."""
+
+    module: nn.Module  # a property of each engine
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state (tensors, shards for a sharded engine, by parameter name)."""
+        return tensors(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_tensors(self.module, self.optimizer, state)
+
+    def schedule_state(self) -> dict[str, Any]:
+        return schedule(self.optimizer, self.scheduler)
+
+    def load_schedule_state(self, state: dict[str, Any]) -> None:
+        load_schedule(self.optimizer, self.scheduler, state)

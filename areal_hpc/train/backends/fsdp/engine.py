@@ -24,7 +24,6 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +35,8 @@ from areal_hpc.algo import align_next_token
 from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist
-from areal_hpc.train.backends import recover_state
 from areal_hpc.train.backends.hf_dir import write_hf_dir
+from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.head import chunked_logprobs
 from areal_hpc.train.microbatch import micro_batch_groups, seq_lengths, to_torch, token_indices
 from areal_hpc.train.models import DTYPES, ValueModel, enable_checkpointing, load_model
@@ -88,9 +87,8 @@ def _compile_pointwise(net: nn.Module) -> None:
 
 
 def _shard(net: PackedModel, mp: MixedPrecisionPolicy | None) -> None:
-    layer_types = tuple(getattr(net.model, "_no_split_modules", None) or ())
-    if isinstance(net.model, ValueModel):
-        layer_types = tuple(getattr(net.model.base, "_no_split_modules", None) or ())
+    base = net.model.base if isinstance(net.model, ValueModel) else net.model
+    layer_types = tuple(base._no_split_modules or ())  # HF's decoder-layer class names
     kwargs = {"mp_policy": mp} if mp is not None else {}
     for module in net.modules():
         if type(module).__name__ in layer_types:
@@ -102,7 +100,7 @@ def _shard(net: PackedModel, mp: MixedPrecisionPolicy | None) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-class FSDPEngine:
+class FSDPEngine(RecoverState):
     """A model (causal LM, or with ``critic`` a value model) sharded over this process group's ranks.
 
     Arguments as ``TorchEngine``'s. Alone (no process group), the engine starts a one-rank group itself.
@@ -137,7 +135,7 @@ class FSDPEngine:
             MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if mixed else None,
         )
         self.optimizer = self.scheduler = None
-        self.offload = self.trainable and getattr(model_cfg.optimizer, "offload", False)
+        self.offload = self.trainable and model_cfg.optimizer.offload
         if self.trainable:
             self.optimizer = make_optimizer(self.net, model_cfg.optimizer)
             schedule = partial(lr_factor, total_steps=max(1, total_train_steps), opt=model_cfg.optimizer)
@@ -212,6 +210,10 @@ class FSDPEngine:
         optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr}
 
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.net
+
     def _require_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
             raise RuntimeError("this engine is inference-only (made with total_train_steps=None)")
@@ -236,19 +238,6 @@ class FSDPEngine:
         return write_hf_dir(path, self.net.model, self.hf_weights(), self.source_dir, self.dtype)
 
     # --- recover state ----------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sharded model and optimizer state (DTensors, by parameter name) for a sharded checkpoint."""
-        return recover_state.tensors(self.net, self.optimizer)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        recover_state.load_tensors(self.net, self.optimizer, state)
-
-    def schedule_state(self) -> dict[str, Any]:
-        return recover_state.schedule(self.optimizer, self.scheduler)
-
-    def load_schedule_state(self, state: Mapping[str, Any]) -> None:
-        recover_state.load_schedule(self.optimizer, self.scheduler, state)
 
 
 def _same_count(items: list) -> list:

@@ -14,7 +14,6 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +21,8 @@ import torch
 from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist
-from areal_hpc.train.backends import recover_state
 from areal_hpc.train.backends.hf_dir import write_hf_dir
+from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
 from areal_hpc.train.models import DTYPES, enable_checkpointing, load_model
 from areal_hpc.train.numerics import LossFn, lr_factor, make_optimizer, token_entropy, token_logprobs
@@ -46,7 +45,7 @@ def _buckets(params: Sequence[torch.nn.Parameter], max_numel: int) -> list[list[
     return buckets
 
 
-class TorchEngine:
+class TorchEngine(RecoverState):
     """A model (causal LM, or with ``critic`` a value model) on this rank, with its optimizer if it trains.
 
     ``total_train_steps`` is the number of optimizer steps of the whole run (training steps times
@@ -205,6 +204,10 @@ class TorchEngine:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model
+
     def _require_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
             raise RuntimeError("this engine is inference-only (made with total_train_steps=None)")
@@ -225,17 +228,3 @@ class TorchEngine:
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``hf_params`` one tensor at a time (no collective: every rank holds them whole)."""
         yield from self.hf_params().items()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state (tensors, by parameter name), for recover checkpoints."""
-        return recover_state.tensors(self.model, self.optimizer)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
-        recover_state.load_tensors(self.model, self.optimizer, state)
-
-    def schedule_state(self) -> dict[str, Any]:
-        return recover_state.schedule(self.optimizer, self.scheduler)
-
-    def load_schedule_state(self, state: Mapping[str, Any]) -> None:
-        recover_state.load_schedule(self.optimizer, self.scheduler, state)
