@@ -14,7 +14,9 @@ transformers passes through to attention, as for FlashAttention's varlen kernels
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +40,16 @@ def packed_kwargs(cu_seqlens: torch.Tensor) -> dict[str, torch.Tensor | int]:
     }
 
 
-def _varlen(q, k, v, cu, max_len, scale):
+@functools.cache
+def _varlen_attn() -> tuple[Callable, frozenset[str]]:
+    """torch's varlen kernel and the names of its parameters (they differ between torch versions)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen(q, k, v, cu, max_len, scale):
+    varlen_attn, params = _varlen_attn()  # looked up once, not in every layer of every micro-batch
     kwargs = {"scale": scale}
     if "window_size" in params:  # torch >= 2.12 spells causality as a window
         kwargs["window_size"] = (-1, 0)
