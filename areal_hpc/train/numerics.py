@@ -3,13 +3,18 @@ schedule."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from areal_hpc.algo import align_next_token
 from areal_hpc.config import OptimizerConfig
+
+logger = logging.getLogger(__name__)
 
 # A micro-batch's float32 per-token model outputs and its tensors -> its share of the minibatch loss.
 # Outputs of an LM: "logprobs" (token-aligned, with the gradient) and "entropy" (for monitoring: no gradient);
@@ -25,6 +30,42 @@ def make_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+
+
+def make_schedule(
+    optimizer: torch.optim.Optimizer, total_steps: int, opt: OptimizerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of ``lr_factor`` over ``total_steps`` optimizer steps."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, total_steps=max(1, total_steps), opt=opt)
+    )
+
+
+def clipped_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    update: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Clip the (already summed) gradients of ``params``, update (``optimizer.step`` unless ``update`` is
+    given), step the LR schedule; ``grad_norm`` (before clipping, of every shard when sharded) and ``lr``.
+
+    A non-finite gradient norm skips the update (on every rank alike: the norm is of the summed gradient).
+    """
+    for p in params:  # a parameter no micro-batch used contributes zero
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    lr = optimizer.param_groups[0]["lr"]
+    if math.isfinite(grad_norm):
+        (update or optimizer.step)()
+    else:
+        logger.warning("gradient norm is %s: skipping this optimizer step", grad_norm)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": lr}
 
 
 def lr_factor(step: int, total_steps: int, opt: OptimizerConfig) -> float:

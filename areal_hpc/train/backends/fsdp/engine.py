@@ -19,8 +19,6 @@ micro-batches.
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -40,10 +38,8 @@ from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.head import chunked_logprobs
 from areal_hpc.train.microbatch import micro_batch_groups, seq_lengths, to_torch, token_indices
 from areal_hpc.train.models import DTYPES, ValueModel, enable_checkpointing, load_model
-from areal_hpc.train.numerics import LossFn, lr_factor, make_optimizer
+from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
-
-logger = logging.getLogger(__name__)
 
 HEAD_CHUNK_TOKENS = 2048  # LM-head rows per chunk: a [2048, 151936] float32 block is 1.2 GB
 EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
@@ -138,8 +134,7 @@ class FSDPEngine(RecoverState):
         self.offload = self.trainable and model_cfg.optimizer.offload
         if self.trainable:
             self.optimizer = make_optimizer(self.net, model_cfg.optimizer)
-            schedule = partial(lr_factor, total_steps=max(1, total_train_steps), opt=model_cfg.optimizer)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+            self.scheduler = make_schedule(self.optimizer, total_train_steps, model_cfg.optimizer)
         else:
             self.net.requires_grad_(False)
         self.net.eval()
@@ -192,23 +187,11 @@ class FSDPEngine(RecoverState):
         return {"loss": total, **self._step()}
 
     def _step(self) -> dict[str, float]:
-        optimizer = self.optimizer
         params = [p for p in self.net.parameters() if p.requires_grad]
-        for p in params:  # a parameter no micro-batch used contributes zero
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.gradient_clipping)
-        grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
-        lr = optimizer.param_groups[0]["lr"]
-        if not math.isfinite(grad_norm):
-            logger.warning("gradient norm is %s: skipping this optimizer step", grad_norm)
-        elif self.offload:
-            _offloaded_step(optimizer, params, self.device)
-        else:
-            optimizer.step()
-        self.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr}
+        offloaded = partial(_offloaded_step, self.optimizer, params, self.device) if self.offload else None
+        return clipped_step(
+            self.optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping, offloaded
+        )
 
     @property
     def module(self) -> torch.nn.Module:

@@ -9,10 +9,7 @@ With float32 configured (the tests) both are plain float32.
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +22,14 @@ from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
 from areal_hpc.train.models import DTYPES, enable_checkpointing, load_model
-from areal_hpc.train.numerics import LossFn, lr_factor, make_optimizer, token_entropy, token_logprobs
-
-logger = logging.getLogger(__name__)
+from areal_hpc.train.numerics import (
+    LossFn,
+    clipped_step,
+    make_optimizer,
+    make_schedule,
+    token_entropy,
+    token_logprobs,
+)
 
 GRAD_BUCKET_NUMEL = 32 * 1024 * 1024  # gradients all-reduced per bucket of this many elements
 
@@ -80,8 +82,7 @@ class TorchEngine(RecoverState):
             if model_cfg.gradient_checkpointing:
                 enable_checkpointing(self.model)
             self.optimizer = make_optimizer(self.model, model_cfg.optimizer)
-            schedule = partial(lr_factor, total_steps=max(1, total_train_steps), opt=model_cfg.optimizer)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+            self.scheduler = make_schedule(self.optimizer, total_train_steps, model_cfg.optimizer)
         else:
             self.model.requires_grad_(False)
         self.model.eval()
@@ -178,16 +179,7 @@ class TorchEngine(RecoverState):
         optimizer = self._require_optimizer()
         self._all_reduce_grads()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.cfg.optimizer.gradient_clipping
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-        lr = optimizer.param_groups[0]["lr"]
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        else:
-            logger.warning("gradient norm is %s: skipping this optimizer step", grad_norm)
-        self.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr}
+        return clipped_step(optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping)
 
     def _all_reduce_grads(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
