@@ -4,9 +4,16 @@ A 16k-token micro-batch of a Qwen model (vocab 151,936) has 10 GB of float32 log
 ``log_softmax`` keeps several such tensors alive until backward. Here the logits exist one chunk of rows
 at a time, in forward and again in backward (recomputed: one more head matmul per chunk, cheap next to
 the transformer), and only O(T) floats are kept between the two.
+
+On CUDA each chunk's work (the head matmul and the float32 softmax arithmetic after it) is compiled
+(torch.compile): the elementwise passes over the [chunk, vocab] logits fuse into a few kernels, and the
+float32 copies of the logits are never written out. Without it they cost twice the head's matmuls.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -21,6 +28,16 @@ def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: floa
     if logits.dtype != torch.float32:
         logits = logits.float()  # a fresh copy
     return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True)  # dynamic: the last chunk of every micro-batch is shorter
+
+
+def _kernel(fn: Callable, device: torch.device) -> Callable:
+    """``fn`` compiled on CUDA; eager elsewhere (the CPU tests, bit for bit the arithmetic of the pins)."""
+    return _compiled(fn) if device.type == "cuda" else fn
 
 
 def _chunks(total: int, chunk_tokens: int) -> list[slice]:
@@ -44,8 +61,9 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ``(logp of labels, entropy, logsumexp)``, all float32 and of length T."""
     out = [torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) for _ in range(3)]
+    chunk_forward = _kernel(_chunk_forward, hidden.device)
     for c in _chunks(hidden.shape[0], chunk_tokens):
-        for o, value in zip(out, _chunk_forward(hidden[c], weight, labels[c], temperature), strict=True):
+        for o, value in zip(out, chunk_forward(hidden[c], weight, labels[c], temperature), strict=True):
             o[c] = value
     return out[0], out[1], out[2]
 
@@ -60,7 +78,8 @@ def _chunk_dlogits(
     g_ent: torch.Tensor | None,
     temperature: float,
 ) -> torch.Tensor:
-    """One chunk's float32 gradient w.r.t. its raw logits ``hidden @ weight.T``, from recomputed logits.
+    """One chunk's gradient w.r.t. its raw logits ``hidden @ weight.T``, from recomputed logits, computed in
+    float32 and returned in ``hidden``'s dtype (the dtype of the matmuls it goes into).
 
     With z = logits / temperature, p = softmax(z) and H the entropy, w.r.t. z:
         dz_j = g_logp ([j = label] - p_j) - g_ent p_j (log p_j + H)
@@ -79,7 +98,17 @@ def _chunk_dlogits(
         dz = coef.mul_(p).neg_()
     if g_logp is not None:
         dz.scatter_add_(1, labels[:, None], g_logp[:, None])
-    return dz
+    return dz.to(hidden.dtype)
+
+
+def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` into float32 ``total``, for ``a``, ``b`` in any one dtype."""
+    if a.dtype == torch.float32:
+        total.addmm_(a, b)
+    elif a.is_cuda:  # cuBLAS adds the float32 product: no low-precision [V, H] product in between
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:  # a low-precision product first: addmm_ does not mix dtypes on the CPU
+        total += a @ b
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -112,19 +141,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         )
         with torch.autocast(hidden.device.type, enabled=False):
+            chunk_dlogits = _kernel(_chunk_dlogits, hidden.device)
             for c in _chunks(hidden.shape[0], ctx.chunk_tokens):
                 h = hidden[c]
                 g_logp_c = None if g_logp is None else g_logp[c]
                 g_ent_c = None if g_ent is None else g_ent[c]
-                dz = _chunk_dlogits(h, weight, labels[c], lse[c], entropy[c], g_logp_c, g_ent_c, tau)
-                dz = dz.to(hidden.dtype)
+                dz = chunk_dlogits(h, weight, labels[c], lse[c], entropy[c], g_logp_c, g_ent_c, tau)
                 if need_hidden:
                     grad_hidden[c] = dz @ weight
                 if need_weight:
-                    if dz.dtype == torch.float32:
-                        grad_weight.addmm_(dz.T, h)
-                    else:  # a low-precision product first: addmm_ does not mix dtypes
-                        grad_weight += dz.T @ h
+                    _accumulate(grad_weight, dz.T, h)
                 del dz  # else it lives on beside the next chunk's logits
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

@@ -41,7 +41,7 @@ from areal_hpc.train.models import DTYPES, ValueModel, enable_checkpointing, loa
 from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
 
-HEAD_CHUNK_TOKENS = 2048  # LM-head rows per chunk: a [2048, 151936] float32 block is 1.2 GB
+HEAD_CHUNK_TOKENS = 4096  # LM-head rows per chunk: Qwen's [4096, 151936] bf16 logits are 1.2 GB
 EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
 
 
