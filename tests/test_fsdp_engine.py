@@ -122,6 +122,7 @@ def _rank_main(rank: int, model_dir: str, out_dir: str) -> None:
         path = engine.save_hf(Path(out_dir) / "saved")
         torch.save({"weights": weights(engine), "logp": logp, "step": step}, Path(out_dir) / f"rank{rank}.pt")
         assert (path is None) == (rank != 0)
+        dist.barrier()  # no rank leaves while another's last collective is in flight
     finally:
         dist.destroy()
 

@@ -83,6 +83,7 @@ def _rank_main(rank: int, world: int, init_file: str, backend: str, fn, args: tu
     dist.init_distributed(rank, world, init_file, backend=backend, timeout_s=60)
     try:
         fn(*args)
+        dist.barrier()  # no rank leaves while another's last collective is in flight (gloo aborts then)
     finally:
         dist.destroy()
 

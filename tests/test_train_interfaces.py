@@ -151,6 +151,7 @@ def _rank_main(rank: int, comm: str, backend: str, model_dir: str, batch_path: s
         stats["optimizer_bytes"] = optimizer_bytes(engine)
         torch.save(weights(engine), Path(out_dir) / f"rank{rank}.pt")
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(stats))
+        dist.barrier()  # no rank leaves while another's last collective is in flight
     finally:
         dist.destroy()
 

@@ -52,6 +52,7 @@ def _rank(rank: int, world: int, cfg, phase: str, folder: str, out: str) -> None
         step(handlers)  # the next step: the same only if the optimizer state came back
         after = {name: t.clone() for name, t in handlers.engines["actor"].hf_weights()}
         torch.save({"weights": weights, "after": after}, Path(out) / f"{phase}{rank}.pt")
+        dist.barrier()  # no rank leaves while another's last collective is in flight
     finally:
         handlers.saver.close() if handlers.saver else None
         dist.destroy()
