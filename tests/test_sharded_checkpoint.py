@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -219,6 +220,35 @@ def test_one_save_at_a_time_and_tensors_only(tmp_path):
     saver.close()
 
 
+def writer_process() -> mp.Process:
+    (process,) = [p for p in mp.active_children() if p.name == "checkpoint-writer"]
+    return process
+
+
+def test_the_writer_process_outlives_sigterm_and_leaves_no_shared_memory_file(tmp_path):
+    """Slurm signals every process of the step; the checkpoint written on SIGTERM is the writer's to finish."""
+    saver = AsyncSave()
+    saver.save({"w": torch.ones(256, 256)}, tmp_path / "a")  # the writer is up once a save returns
+    os.kill(writer_process().pid, signal.SIGTERM)
+    assert saver.wait()
+    time.sleep(0.2)
+    saver.save({"w": torch.ones(256, 256)}, tmp_path / "b")
+    assert saver.wait() and writer_process().is_alive()
+    assert not list(sharded.SHM.glob(f"areal-checkpoint-{os.getpid()}-*"))  # unlinked once mapped
+    saver.close()
+    assert not [p for p in mp.active_children() if p.name == "checkpoint-writer"]
+
+
+def test_a_dead_writer_process_is_raised(tmp_path):
+    saver = AsyncSave()
+    saver.reserve({"w": torch.ones(4, 3)})
+    writer_process().kill()
+    writer_process().join()
+    with pytest.raises(RuntimeError, match="writer process .* died"):
+        saver.save({"w": torch.ones(4, 3)}, tmp_path / "a")
+    saver.close()
+
+
 class Tied(nn.Module):
     """An LM's embedding and head sharing one weight (tie_word_embeddings), as the tiny model has."""
 
@@ -259,5 +289,6 @@ def test_tied_weights_in_several_files(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_shards_stage_to_cpu_and_load_back(tmp_path):
-    """DTensors on the GPU, a training group on NCCL: staged to pinned CPU memory, written over gloo."""
+    """DTensors on the GPU, a training group on NCCL: staged to page-locked shared memory, written by the
+    writer process."""
     spawn(1, tmp_path, tied_round_trip, tmp_path / "checkpoint", "cuda", backend="nccl")

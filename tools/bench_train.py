@@ -7,7 +7,7 @@ on the spot (no download). Reported: tokens/s, MFU (model FLOPs, 6 N per token p
 dense bf16 peak), padding fraction of the computed tokens, peak GPU memory; for the 7B shape with optimizer
 offload the step time; for ``--checkpoint`` the time a recover checkpoint blocks training and its bytes.
 
-    python tools/bench_train.py --device cuda [--shapes 1.5b,3b] [--offload-7b] [--checkpoint 3b]
+    python tools/bench_train.py --device cuda [--shapes 1.5b,3b] [--offload-7b] [--checkpoint 3b] [--write-threads 4,8]
     python tools/bench_train.py            # CPU: a small shape on 1, 2 and 4 gloo ranks, optimizer bytes
 
 Prints one JSON line per measurement, then a summary of ratios against the baseline.
@@ -101,7 +101,7 @@ def loss_fn(out: dict, mb: dict) -> torch.Tensor:
 
 
 def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: bool, offload: bool = False,
-               steps: int = 2, checkpoint_dir: Path | None = None) -> dict:  # fmt: skip
+               steps: int = 2, checkpoint_dir: Path | None = None, write_threads: tuple[int, ...] = (4,)) -> dict:  # fmt: skip
     """Warm up with one step, then time ``steps`` optimizer steps over the workload."""
     cfg = TrainedModelConfig(
         path=str(model_dir), backend=backend, dtype="bfloat16", gradient_checkpointing=ckpt,
@@ -134,16 +134,17 @@ def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: b
         "padding": round(padding_fraction(backend, lengths.tolist(), spec), 3), "peak_gib": round(peak, 1),
     })  # fmt: skip
     if checkpoint_dir is not None:
-        row.update(checkpoint_once(engine, checkpoint_dir, mbs))
+        row.update(checkpoint_once(engine, checkpoint_dir, mbs, write_threads))
     del engine
     torch.cuda.empty_cache()
     return row
 
 
-def checkpoint_once(engine, folder: Path, mbs) -> dict:
-    """A recover checkpoint's blocking time (staging) at the first save, which allocates the CPU buffers, and
-    at the second, which reuses them; the training step run while the first is written; its bytes."""
-    from areal_hpc.train.sharded import AsyncSave
+def checkpoint_once(engine, folder: Path, mbs, write_threads: tuple[int, ...]) -> dict:
+    """A recover checkpoint's cost to training: making its CPU buffers (once per run, after the first step),
+    the time each save blocks training (the copy into them), the training step run while it is written (per
+    number of writer threads), and its bytes; the write's speed beside the disk's own (plain writes, fsync)."""
+    from areal_hpc.train import sharded
 
     def begin(folder: Path) -> float:
         folder.mkdir(parents=True)
@@ -152,22 +153,44 @@ def checkpoint_once(engine, folder: Path, mbs) -> dict:
         saver.save({"actor": engine.state_dict()}, folder)
         return time.perf_counter() - start
 
-    saver = AsyncSave()
+    row = {"disk_write_gbps": disk_write_gbps(folder / "disk")}
+    saver = sharded.AsyncSave()
     start = time.perf_counter()
-    first = begin(folder / "first")
-    step_start = time.perf_counter()
-    engine.train_minibatch(mbs, loss_fn)  # training goes on while the bytes are written
-    torch.cuda.synchronize()
-    overlapped_step = time.perf_counter() - step_start
-    files = saver.wait()
-    total = time.perf_counter() - start
-    shutil.rmtree(folder / "first")  # room on the disk for the second
-    second = begin(folder / "second")  # its write is left to the daemon thread: the process ends next
-    return {
-        "ckpt_blocked_s": [round(first, 2), round(second, 2)], "ckpt_total_s": round(total, 1),
-        "ckpt_step_during_write_s": round(overlapped_step, 2),
-        "ckpt_gb": round(sum(f["size"] for f in files.values()) / 1e9, 2), "ckpt_files": len(files),
-    }  # fmt: skip
+    saver.reserve({"actor": engine.state_dict()})
+    row["ckpt_reserve_s"], row["ckpt_blocked_s"] = round(time.perf_counter() - start, 2), []
+    for threads in write_threads:
+        sharded.WRITE_THREADS = threads
+        start = time.perf_counter()
+        row["ckpt_blocked_s"].append(round(begin(folder / "ckpt"), 2))
+        torch.cuda.reset_peak_memory_stats()
+        step_start = time.perf_counter()
+        engine.train_minibatch(mbs, loss_fn)  # training goes on while the bytes are written
+        torch.cuda.synchronize()
+        step = time.perf_counter() - step_start
+        files = saver.wait()
+        total = time.perf_counter() - start
+        gb = sum(f["size"] for f in files.values()) / 1e9
+        row[f"ckpt_threads{threads}"] = {
+            "total_s": round(total, 1), "write_gbps": round(gb / total, 2), "step_during_write_s": round(step, 2),
+            "step_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        }  # fmt: skip
+        shutil.rmtree(folder / "ckpt")  # room on the disk for the next
+    saver.close()
+    return {**row, "ckpt_gb": round(gb, 2), "ckpt_files": len(files)}
+
+
+def disk_write_gbps(path: Path, gb: int = 4) -> float:
+    """GB/s of writing ``gb`` GB to one file in 64 MB writes, then fsync: the disk's speed, for scale."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(gb * 1000 // 64):
+            f.write(block)
+        os.fsync(f.fileno())
+    secs = time.perf_counter() - start
+    path.unlink()
+    return round(gb / secs, 2)
 
 
 def check_packed_attention() -> dict:
@@ -184,9 +207,51 @@ def check_packed_attention() -> dict:
             "max_abs_diff": (packed.float() - alone.float()).abs().max().item()}  # fmt: skip
 
 
+def check_head(tokens: int = 16384, hidden: int = 2048) -> list[dict]:
+    """The chunked LM head (logprobs + entropy, forward and backward) eager against compiled, per chunk size:
+    milliseconds, memory above the inputs, and the compiled outputs' largest difference from eager's."""
+    from areal_hpc.train import head
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    w = (
+        torch.randn(VOCAB, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    ).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,), device="cuda", generator=gen)
+
+    def run(chunk: int) -> tuple[float, float, list[torch.Tensor]]:
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        logp, entropy = head.chunked_logprobs(h, w, labels, 1.0, chunk)
+        (logp.sum() + 0.01 * entropy.sum()).backward()
+        torch.cuda.synchronize()
+        secs, peak = time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / 2**30
+        return secs * 1e3, peak, [logp.detach(), entropy.detach(), h.grad, w.grad]
+
+    rows, kernel = [], head._kernel
+    for compiled in (False, True):
+        head._kernel = kernel if compiled else (lambda fn, device: fn)
+        for chunk in (2048, 4096):
+            run(chunk)  # warm-up (and compilation)
+            ms, gib, outs = run(chunk)
+            if not compiled and chunk == 2048:
+                reference = outs
+            diff = max(
+                (o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference, strict=True)
+            )
+            rows.append({"check": "chunked LM head, forward + backward", "compiled": compiled, "chunk": chunk,
+                         "ms": round(ms, 1), "gib_above_inputs": round(gib, 2), "max_abs_diff": diff})  # fmt: skip
+    head._kernel = kernel
+    return rows
+
+
 def cuda_main(args: argparse.Namespace) -> list[dict]:
-    rows = [check_packed_attention()]
-    print(json.dumps(rows[0]), flush=True)
+    rows = [] if args.skip_checks else [check_packed_attention(), *check_head()]
+    for row in rows:
+        print(json.dumps(row), flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     try:
         for shape in [s for s in args.shapes.split(",") if s]:
@@ -196,7 +261,8 @@ def cuda_main(args: argparse.Namespace) -> list[dict]:
             runs = [v.split(":") for v in args.variants.split(",")]
             for backend, ckpt in runs:
                 timed = ckpt_dir if backend == "fsdp" and (backend, ckpt) == tuple(runs[-1]) else None
-                rows.append(train_once(model_dir, shape, n, backend, ckpt == "ckpt", checkpoint_dir=timed))
+                rows.append(train_once(model_dir, shape, n, backend, ckpt == "ckpt", checkpoint_dir=timed,
+                                       write_threads=tuple(int(t) for t in args.write_threads.split(","))))  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(model_dir)
         if args.offload_7b:
@@ -255,6 +321,12 @@ def summary(rows: list[dict]) -> None:
             print(f"{r['shape']} fsdp (gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}): "
                   f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x the padded torch engine's tokens/s, "
                   f"MFU {r['mfu']:.1%} vs {base['mfu']:.1%}")  # fmt: skip
+        for key, ckpt in r.items():
+            if key.startswith("ckpt_threads"):
+                print(f"{r['shape']} recover checkpoint ({key.removeprefix('ckpt_threads')} writer threads): "
+                      f"training blocked {max(r['ckpt_blocked_s']):.2f} s per save, the step during the write "
+                      f"{ckpt['step_during_write_s'] / r['step_s']:.2f}x the step alone, written at "
+                      f"{ckpt['write_gbps'] / r['disk_write_gbps']:.0%} of the disk's speed")  # fmt: skip
         if "ranks" in r:
             one = by[(r["shape"], "fsdp", None, 1)]
             print(f"{r['ranks']} ranks: optimizer state per rank {r['optimizer_bytes_per_rank'] / 2**20:.2f} MiB "
@@ -273,6 +345,8 @@ def main() -> None:
         "--variants", default="torch:ckpt,fsdp:ckpt,fsdp:nockpt",
         help="backend:ckpt|nockpt runs per shape (the first is the baseline; the last fsdp one times the checkpoint)",
     )  # fmt: skip
+    parser.add_argument("--write-threads", default="4", help="checkpoint writer threads, one save per entry")
+    parser.add_argument("--skip-checks", action="store_true", help="no attention and LM-head checks (cuda)")
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON lines")
     args = parser.parse_args()
     rows = cuda_main(args) if args.device == "cuda" else cpu_main(args)

@@ -14,6 +14,7 @@ rank: the actor's full weights are gathered tensor by tensor on all ranks, and r
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ class TrainerHandlers:
         self.host = host  # where the servers reach this rank's weight-group store
         self.engines: dict[str, TrainEngine] = {}
         self.weight_sender = WeightSender()
-        self.saver: AsyncSave | None = None
+        self.saver: AsyncSave | None = None  # made by the first recover_save or _reserve
+        self._reserved: set[str] = set()  # models whose checkpoint buffers are made
 
     def model_config(self, payload: Any) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "initialized": bool(self.engines)}
@@ -90,7 +92,20 @@ class TrainerHandlers:
             stats = interfaces.sft_train_step(self.engines["actor"], batch, cfg.actor_train.mb_spec)
         else:
             raise ValueError(f"trainer cannot run train call {mfc!r}")
+        self._reserve("critic" if mfc == "critic_train" else "actor")
         return {"stats": stats}
+
+    def _reserve(self, name: str) -> None:
+        """After a model's first step, when its optimizer state exists: make the CPU buffers its recover
+        checkpoints are copied into, so that no checkpoint pays for them (seconds for tens of GB)."""
+        if self.cfg.recover_mode == "disabled" or name in self._reserved:
+            return
+        start = time.monotonic()
+        self._saver().reserve({name: self.engines[name].state_dict()})
+        self._reserved.add(name)
+        logger.info(
+            "rank %d: checkpoint buffers of %s made in %.1f s", self.rank, name, time.monotonic() - start
+        )
 
     def save(self, payload: dict) -> dict:
         """HF weights of a model (rank 0 writes; every rank joins, as a later sharded save will need)."""
@@ -105,24 +120,29 @@ class TrainerHandlers:
         says when they are); the LR schedules (rank 0) and this rank's random generators as JSON, at once."""
         folder = Path(payload["dir"])
         trained = {name: e for name, e in self.engines.items() if e.trainable}
-        if self.saver is None:  # made by every rank at its first save (a collective)
-            self.saver = AsyncSave()
         (folder / SHARDS).mkdir(parents=True, exist_ok=True)
-        self.saver.save({name: e.state_dict() for name, e in trained.items()}, folder / SHARDS)
+        self._saver().save({name: e.state_dict() for name, e in trained.items()}, folder / SHARDS)
         fsio.write_json(folder / RNG / f"{task_name('trainer', self.rank)}.json", rng_state())
         if self.rank == 0:
             schedules = {name: e.schedule_state() for name, e in trained.items()}
             fsio.write_json(folder / TRAINERS, {"world_size": self.world_size, "schedules": schedules})
         return {"models": sorted(trained)}
 
+    def _saver(self) -> AsyncSave:
+        if self.saver is None:
+            self.saver = AsyncSave()  # starts this rank's checkpoint writer process
+        return self.saver
+
     def recover_poll(self, payload: Any) -> dict:
         """Whether this rank's shards of the last `recover_save` are written (answers at once)."""
         return {"done": self.saver is None or not self.saver.pending() or self.saver.done()}
 
     def recover_wait(self, payload: Any) -> dict:
-        """Until this rank's shards are written: their sizes and sha256, for the checkpoint's manifest."""
+        """Until this rank's shards are written: their sizes and sha256, for the checkpoint's manifest, and
+        how many seconds the writing took."""
         files = self.saver.wait() if self.saver is not None else {}
-        return {"files": {f"{SHARDS}/{name}": entry for name, entry in files.items()}}
+        seconds = self.saver.write_seconds if self.saver is not None else 0.0
+        return {"files": {f"{SHARDS}/{name}": entry for name, entry in files.items()}, "write_s": seconds}
 
     def recover_load(self, payload: dict) -> dict:
         """Restore what `recover_save` wrote into folder `dir`, whatever number of ranks wrote it."""
