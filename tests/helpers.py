@@ -57,6 +57,19 @@ def role_pids(run_root: Path) -> dict[str, int]:
     return pids
 
 
+def child_pids(pid: int) -> list[int]:
+    """pids of the processes whose parent is `pid`, from /proc."""
+    children = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # after "pid (comm) state": the parent's pid
+            children.append(int(proc.name))
+    return children
+
+
 class OutputProbe(TorchDispatchMode):
     """Records, over every op run under it (forward and backward), the largest output's numel and the peak
     of the bytes held by live op outputs (tensors saved for backward included; views and in-place results,

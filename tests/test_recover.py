@@ -16,6 +16,7 @@ from areal_hpc.control.rundir import RunDir
 from areal_hpc.control.status import ABORTED, complete, set_status
 from areal_hpc.data.store import RolloutStore
 from areal_hpc.gen.rollout_worker import used_prompts
+from areal_hpc.master.checkpoint import write_time_warning
 from areal_hpc.master.guard import StepGuard
 from areal_hpc.master.loop import Master
 from areal_hpc.master.sources import StepBatch, StoreRollouts
@@ -185,3 +186,10 @@ def test_a_publish_that_fails_after_sigterm_is_skipped_so_that_the_step_can_be_c
     guard.notice.urgent = True  # SIGTERM came while the servers took the weights
     assert Master.publish(master) == {}
     assert master.counter.version == 5  # the trainers hold it; a resume republishes it
+
+
+def test_a_checkpoint_slower_than_a_signal_allows_is_warned_about():
+    assert write_time_warning(12.0, signal_grace_secs=120) is None
+    warning = write_time_warning(45.0, signal_grace_secs=120)
+    assert "45 s" in warning and "KillWait (30 s" in warning and "signal_grace_secs" in warning
+    assert "10 s of cluster.slurm.signal_grace_secs" in write_time_warning(12.0, signal_grace_secs=10)

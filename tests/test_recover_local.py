@@ -21,7 +21,7 @@ from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
 from areal_hpc.launch.runs import status_lines
 from areal_hpc.monitor.stats import read_stats
-from tests.helpers import role_pids
+from tests.helpers import child_pids, role_pids
 
 STEPS = 6  # 4 prompts a step: 250 // 4 = 62 steps an epoch
 
@@ -108,8 +108,9 @@ def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_th
 
 
 def test_sigterm_to_every_role_checkpoints_the_last_finished_step_and_the_next_attempt_resumes_there(toy):
-    # As Slurm stops a job (scancel, requeue, preemption): every task gets SIGTERM at once. No periodic
-    # checkpoints, so the resume point can only be the one written on SIGTERM.
+    # As Slurm stops a job (scancel, requeue, preemption): every process of every task gets SIGTERM at once,
+    # the trainers' checkpoint writers too. No periodic checkpoints, so the resume point can only be the one
+    # written on SIGTERM.
     cfg = toy.config(
         "term", 5, "exp_ctrl.ckpt_freq_secs=null", "exp_ctrl.ckpt_freq_steps=null", "recover_after=0",
         "dataset.valid_path=null",
@@ -120,7 +121,8 @@ def test_sigterm_to_every_role_checkpoints_the_last_finished_step_and_the_next_a
     def term_everyone() -> None:
         while (fsio.read_json(run.progress) or {}).get("step", 0) < 2:
             time.sleep(0.05)
-        for pid in role_pids(run.root).values():
+        roles = role_pids(run.root)
+        for pid in [*roles.values(), *child_pids(roles["trainer0"])]:
             os.kill(pid, signal.SIGTERM)
         stopped.append(fsio.read_json(run.progress)["step"])
 
@@ -134,6 +136,7 @@ def test_sigterm_to_every_role_checkpoints_the_last_finished_step_and_the_next_a
     assert step >= stopped[0]  # nothing finished before the signal is lost
     assert f"resumes from recover checkpoint {run.root / 'recover' / f'step{step:08d}'}" in second, second
     assert "SIGTERM: serving on" in (run.attempt_logs(0) / "trainer0.log").read_text()
+    assert "the trainer ranks wrote their shards in" in first
     assert_exactly_once(run, 5, 4)
 
 

@@ -23,6 +23,19 @@ from areal_hpc.recover import Checkpoints, check_compatible, identity, save_into
 
 logger = logging.getLogger("master")
 CONTROLLER_FILE = "controller.json"
+KILL_WAIT_S = 30  # Slurm's default KillWait: what a checkpoint written on SIGTERM has before SIGKILL
+
+
+def write_time_warning(seconds: float, signal_grace_secs: int) -> str | None:
+    """What to say when the shards of a checkpoint took longer to write than a checkpoint on a signal has."""
+    if seconds <= min(KILL_WAIT_S, signal_grace_secs):
+        return None
+    return (
+        f"the trainer ranks took {seconds:.0f} s to write this recover checkpoint; one written on SIGTERM has "
+        f"Slurm's KillWait ({KILL_WAIT_S} s by default), one on USR2 the {signal_grace_secs} s of "
+        "cluster.slurm.signal_grace_secs less the running step: raise signal_grace_secs, ask for a longer "
+        "KillWait or GraceTime, or use more trainer ranks or faster storage (docs/troubleshooting.md)"
+    )
 
 
 class Stateful(Protocol):
@@ -57,12 +70,15 @@ class Checkpointer:
         if not wait and not all(r["done"] for r in self.trainers.call_each("recover_poll")):
             return None
         tmp, step = self.pending
-        known = {
-            name: e for r in self.trainers.call_all("recover_wait", {}) for name, e in r["files"].items()
-        }
+        ranks = self.trainers.call_all("recover_wait", {})
+        known = {name: e for r in ranks for name, e in r["files"].items()}
         self.pending = None
         path = self.ckpts.commit(tmp, step, known)
         logger.info("Dumped recover info to file. (global step %d: %s)", step, path)
+        seconds = max(r["write_s"] for r in ranks)
+        logger.info("the trainer ranks wrote their shards in %.1f s (the slowest)", seconds)
+        if warning := write_time_warning(seconds, self.cfg.cluster.slurm.signal_grace_secs):
+            logger.warning(warning)
         return path
 
     def load(self, path: Path) -> None:
