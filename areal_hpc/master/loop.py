@@ -107,7 +107,6 @@ class Master:
 
     def step(self) -> None:
         start, step = time.monotonic(), self.counter.global_step
-        self.checkpointer.finish(wait=False)  # seal a checkpoint whose shards were written meanwhile
         batch = self.source.next(step)
         self.add(batch, birth=start)
         stats = dict(batch.stats)
@@ -126,6 +125,7 @@ class Master:
         stats["timeperf/e2e"] = secs
         self.stats.write(c.global_step, stats)
         self.guard.step_done()
+        self.checkpointer.finish(wait=False)  # seal a checkpoint whose shards were written during the step
         logger.info(step_line(c, secs))
         metric, value = ("reward", stats.get(REWARD)) if self.rl else ("loss", stats.get("sft/loss"))
         write_progress(self.rundir.progress, c.global_step, c.total_steps, metric, value, c.eta_secs())
