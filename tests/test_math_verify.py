@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.algo.math_parse import AnswerInputError, normalize_answer
+from areal_hpc.algo.math_parse import AnswerInputError
 from areal_hpc.algo.math_verify import MathVerifier, VerifierError
 
 TIMEOUT = 3.0
@@ -135,7 +135,7 @@ def test_math_500_solutions_match_their_answers(math_500, verifier):
 def test_math_500_other_answers_are_wrong(math_500, verifier):
     answers = [str(row["answer"]) for row in math_500]
     pairs = [(a, b) for a, b in zip(answers, answers[1:] + answers[:1], strict=True)]
-    pairs = [(a, b) for a, b in pairs if normalize_answer(a) != normalize_answer(b)]
+    pairs = [(a, b) for a, b in pairs if a.replace(" ", "") != b.replace(" ", "")]
     scores = verifier.verify_batch([(boxed(a), [boxed(b)]) for a, b in pairs])
     confused = [pair for pair, score in zip(pairs, scores, strict=True) if score == 1.0]
     assert len(pairs) > 0.9 * len(answers)

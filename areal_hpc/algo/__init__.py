@@ -3,7 +3,7 @@
 ppo         the (decoupled) clipped objective, the value loss, masked statistics
 advantages  per-token rewards, GAE over packed sequences, advantage normalisation
 packing     packed-sequence bookkeeping, balanced partitions, first-fit-decreasing micro-batches
-math_parse  the answer extraction and equality rules of the math reward
+math_parse  the math reward's rule: the last box of a response against the reference, by Math-Verify
 math_verify MathVerifier: the math reward in a pool of worker processes, each check under a timeout
 """
 

@@ -84,11 +84,13 @@ class MathVerifier:
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._closed = False
+        self._started = False
         self._workers = [self._spawn() for _ in range(n_workers)]
         try:
             with self._lock:
                 while not all(worker.ready for worker in self._workers):
                     self._wait_step([], [])
+                self._started = True  # from now on a worker that dies, even while starting, is replaced
         except BaseException:
             self.close()
             raise
@@ -182,12 +184,13 @@ class MathVerifier:
         try:
             reply = worker.conn.recv()
         except (EOFError, OSError):
-            if not worker.ready:
+            if not worker.ready and not self._started:  # the first start: a setup error, not bad luck
                 raise VerifierError(
                     f"math worker {worker.process.pid} exited while starting (see its stderr; a script that"
                     " creates a MathVerifier needs the `if __name__ == '__main__':` guard)"
                 ) from None
-            self._replace(worker, f"math worker {worker.process.pid} died during a check")
+            what = "a check" if worker.ready else "its start"
+            self._replace(worker, f"math worker {worker.process.pid} died during {what}")
             return
         if not worker.ready:
             worker.ready, worker.deadline = True, float("inf")  # its only message while starting
