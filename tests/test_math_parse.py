@@ -28,11 +28,14 @@ EVAL_ANSWERS = (
         (r"\fbox{7}", "7"),
         (r"\boxed {12}", "12"),
         (r"Thinking... \boxed{\frac{1}{2}} wait \boxed{\frac{1}{3", None),  # the last box is cut off
-        ("The final answer is $\\frac{3}{4}$.", None),  # the original's rule: a box, or no answer
+        ("The final answer is $\\frac{3}{4}$. I hope it is correct.", r"\frac{3}{4}"),  # no box
+        ("Thus the answer is 42.", "42"),
+        ("So the answer is $x = 3$, as claimed.", "x = 3"),
+        ("We get 3 apples and 4 pears.", None),  # no last-number fallback for a response
         ("", None),
     ],
 )
-def test_a_response_states_its_answer_in_its_last_box(response, answer):
+def test_a_response_states_its_answer_in_its_last_box_or_after_the_answer_is(response, answer):
     assert response_answer(response) == answer
 
 

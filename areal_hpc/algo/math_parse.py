@@ -2,8 +2,9 @@
 answer, judged by Math-Verify, Hugging Face's LaTeX parser and comparator (the library the field scores
 with).
 
-- The response's answer is its last ``\\boxed{...}`` (or ``\\fbox``, or ``\\boxed 5``), the original's rule: a
-  response without one, or with one cut off, scores 0.
+- The response's answer is its last ``\\boxed{...}`` (or ``\\fbox``, or ``\\boxed 5``); without a box, what
+  follows the last "final answer is $...$" or "the answer is"; the original's rules. A response with none of
+  them, or whose last box is cut off, scores 0.
 - The reference's answer is every box it holds, as a whole: ``\\boxed{3} and \\boxed{5}`` is the pair (3, 5),
   so a response with one of them is wrong. A reference without a box is its answer as it stands (the
   ``answer`` fields of the evaluation sets: ``\\frac{1}{2}``, ``$x=3$``, 204).
@@ -29,6 +30,9 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 # Longer answers are not parsed: real answers are short, and parsing huge ones only burns the time limit.
 MAX_ANSWER_CHARS = 1000
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
+_FINAL_ANSWER_RE = re.compile(r"final answer is\s*:?\s*\$+([^$]+)\$", re.IGNORECASE)
+_ANSWER_IS_RE = re.compile(r"answer is\s*:?\s*([^\n]+)", re.IGNORECASE)
+_MATH_SPAN_RE = re.compile(r"\$+([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 _EXTRACT = [LatexExtractionConfig(boxed_match_priority=0)]
 
 
@@ -78,9 +82,25 @@ def boxes(text: str) -> list[str | None]:
 
 
 def response_answer(response: str) -> str | None:
-    """The answer a response states: its last box, or None."""
-    found = boxes(as_text(response, "response"))
-    return found[-1] if found else None
+    """The answer a response states: its last box, else its last "final answer is" / "the answer is"."""
+    response = as_text(response, "response")
+    found = boxes(response)
+    if found:
+        return found[-1]
+    final = _FINAL_ANSWER_RE.findall(response)
+    return final[-1].strip() if final else _answer_is(response)
+
+
+def _answer_is(text: str) -> str | None:
+    """What follows the last "answer is": its first math span, else the rest of the sentence."""
+    matches = list(_ANSWER_IS_RE.finditer(text))
+    if not matches:
+        return None
+    tail = matches[-1].group(1)[:500]  # the answer follows closely; a bound keeps the search linear
+    span = _MATH_SPAN_RE.search(tail)
+    if span:
+        return next(group for group in span.groups() if group is not None).strip()
+    return re.split(r"\.(?:\s|$)", tail)[0].strip() or None
 
 
 def reference_answer(solution: str) -> str | None:
