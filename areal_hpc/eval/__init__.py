@@ -1,7 +1,17 @@
-"""Evaluation: held-out greedy accuracy during training (`heldout`); the original's evaluation metrics,
-greedy_acc, sample_pass@1, unbiased pass@k, maj@k and answer lengths (`metrics`)."""
+"""Evaluation: held-out greedy accuracy during training (`heldout`); the evaluation sets and the R1-style
+instruction (`datasets`); the original's metrics, greedy_acc, sample_pass@1, unbiased pass@k, maj@k and
+answer lengths (`metrics`)."""
 
+from areal_hpc.eval.datasets import EVAL_SETS, EvalDataError, EvalQuestion, load_eval_set
 from areal_hpc.eval.heldout import greedy_accuracy
 from areal_hpc.eval.metrics import Question, dataset_metrics
 
-__all__ = ["Question", "dataset_metrics", "greedy_accuracy"]
+__all__ = [
+    "EVAL_SETS",
+    "EvalDataError",
+    "EvalQuestion",
+    "Question",
+    "dataset_metrics",
+    "greedy_accuracy",
+    "load_eval_set",
+]
