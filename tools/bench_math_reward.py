@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: make `areal_hpc` importable
 
+from areal_hpc.algo.math_parse import unwrapped  # noqa: E402
 from areal_hpc.algo.math_verify import MathVerifier  # noqa: E402
 
 
@@ -43,14 +44,7 @@ def triples(tests: Path) -> list[tuple[str, str, bool, str]]:
 
 def boxed(text: str) -> str:
     r"""`text` as an answer in a box: ``$x$`` -> ``\boxed{x}``; left as it is when it holds a box."""
-    if "\\boxed" in text:
-        return text
-    inner = text.strip()
-    for delimiter in ("$$", "$"):
-        if len(inner) > 2 * len(delimiter) and inner.startswith(delimiter) and inner.endswith(delimiter):
-            inner = inner[len(delimiter) : -len(delimiter)].strip()
-            break
-    return f"\\boxed{{{inner}}}"
+    return text if "\\boxed" in text else f"\\boxed{{{unwrapped(text.strip())}}}"
 
 
 def main() -> None:

@@ -108,11 +108,11 @@ def reference_answer(solution: str) -> str | None:
     solution = as_text(solution, "solution").strip()
     found = boxes(solution)
     if not found:
-        return _unwrapped(solution) or None
+        return unwrapped(solution) or None
     return None if None in found else ", ".join(found)
 
 
-def _unwrapped(text: str) -> str:
+def unwrapped(text: str) -> str:
     """`text` without one pair of ``$``/``$$`` around it."""
     for delimiter in ("$$", "$"):
         if len(text) > 2 * len(delimiter) and text.startswith(delimiter) and text.endswith(delimiter):

@@ -38,12 +38,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
     """Whether the answer stated most often (the earliest among ties) is a correct one."""
-    votes = Counter("".join(a.split()) for a in answers if a is not None)
+    keys = [None if a is None else "".join(a.split()) for a in answers]
+    votes = Counter(key for key in keys if key is not None)
     if not votes:
         return False
     top = max(votes.values())
-    for answer, ok in zip(answers, correct, strict=True):
-        if answer is not None and votes["".join(answer.split())] == top:
+    for key, ok in zip(keys, correct, strict=True):
+        if key is not None and votes[key] == top:
             return ok
     raise AssertionError("unreachable: the top answer is among the answers")
 

@@ -149,8 +149,7 @@ def writer_main(conn: Connection) -> None:
     torch.set_num_threads(1)
     # dcp.save without a process group says it assumes one process: it is told so (no_dist) on purpose
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    tensors: dict[str, torch.Tensor] = {}
-    regions = []  # kept mapped: the tensors are views of them
+    tensors: dict[str, torch.Tensor] = {}  # views of the regions mapped, which they keep mapped
     while True:
         try:
             request, body = conn.recv()
@@ -160,8 +159,7 @@ def writer_main(conn: Connection) -> None:
             return
         try:
             if request == "map":
-                regions.append(Region(Path(body["path"]), body["layout"], body["size"], create=False))
-                tensors.update(regions[-1].tensors)
+                tensors.update(Region(Path(body["path"]), body["layout"], body["size"], create=False).tensors)
                 conn.send(("mapped", None))
             elif request == "save":
                 start = time.monotonic()

@@ -59,8 +59,7 @@ class AsyncSave:
         )
         self._process.start()
         theirs.close()
-        self._buffers: dict[str, torch.Tensor] = {}  # this process's view of the shared buffers
-        self._regions: list[Region] = []
+        self._buffers: dict[str, torch.Tensor] = {}  # views of the shared regions, which they keep mapped
         self._pinned: list[int] = []  # addresses of page-locked regions, unlocked by close
         self._folder: Path | None = None  # of the pending save
         self.write_seconds = 0.0  # how long the writer took for the last save waited for
@@ -68,8 +67,10 @@ class AsyncSave:
     def reserve(self, state: dict) -> None:
         """Make the CPU buffers of `state` (as `save` takes it) now, so that no save pays for them; with a
         GPU they are page-locked, which touches every page (seconds for tens of GB)."""
-        tensors = _tensors(state)
-        self._map({k: _local(t) for k, t in tensors.items() if not self._fits(k, _local(t))})
+        self._reserve(_locals(_tensors(state)))
+
+    def _reserve(self, locals_: dict[str, torch.Tensor]) -> None:
+        self._map({k: t for k, t in locals_.items() if not self._fits(k, t)})
 
     def _fits(self, key: str, local: torch.Tensor) -> bool:
         buffer = self._buffers.get(key)
@@ -81,7 +82,8 @@ class AsyncSave:
             return
         layout, size = layout_of(locals_)
         folder = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
-        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        stat = os.statvfs(folder)
+        free = stat.f_bavail * stat.f_frsize
         if size > free:
             raise RuntimeError(
                 f"a recover checkpoint stages {size / 1e9:.1f} GB of this rank's state in {folder}, which has "
@@ -95,9 +97,9 @@ class AsyncSave:
         finally:
             path.unlink()  # both processes hold the mapping: the memory lives as long as they do
         if torch.cuda.is_available() and any(t.is_cuda for t in locals_.values()):
-            _check_cuda(torch.cuda.cudart().cudaHostRegister(region.address(), size, 0))
-            self._pinned.append(region.address())
-        self._regions.append(region)
+            address = region.address()
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+            self._pinned.append(address)
         self._buffers.update(region.tensors)
 
     def save(self, state: dict, folder: Path) -> None:
@@ -112,16 +114,16 @@ class AsyncSave:
         tensors = _tensors(state)
         mine = {k: t for k, t in tensors.items() if isinstance(t, DTensor) or self._rank == 0}
         items = create_default_local_save_plan(mine, self._rank == 0).items  # this rank's shards
-        self.reserve(state)
-        self._stage(tensors)
+        locals_ = _locals(tensors)
+        self._reserve(locals_)
+        self._stage(locals_)
         body = {"folder": str(folder), "items": items, "files": _file_numbers(tensors, self._world)}
         self._send("save", {**body, "rank": self._rank, "threads": WRITE_THREADS})
         self._folder = Path(folder)
 
-    def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy each tensor's local shard into its buffer."""
-        for key, tensor in tensors.items():
-            local = _local(tensor)
+    def _stage(self, locals_: dict[str, torch.Tensor]) -> None:
+        """Copy each local shard into its buffer."""
+        for key, local in locals_.items():
             self._buffers[key].copy_(local, non_blocking=local.is_cuda)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies are done: training may change the tensors now
@@ -162,7 +164,7 @@ class AsyncSave:
         self._conn.close()
         for address in self._pinned:
             _check_cuda(torch.cuda.cudart().cudaHostUnregister(address))
-        self._pinned, self._buffers, self._regions = [], {}, []
+        self._pinned, self._buffers = [], {}
 
     def _send(self, request: str, body: Any) -> None:
         try:
@@ -193,8 +195,9 @@ def load(state: dict, folder: Path) -> None:
     dcp.load(_tensors(state), storage_reader=HuggingFaceStorageReader(str(folder)))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+def _locals(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor's shard on this rank (a plain tensor is its own)."""
+    return {k: (t.to_local() if isinstance(t, DTensor) else t).detach() for k, t in tensors.items()}
 
 
 def _check_cuda(error: Any) -> None:
