@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from areal_hpc.train.head import chunked_logprobs
+from areal_hpc.train import dist
+from areal_hpc.train.head import chunked_logprobs, vocab_parallel_logprobs
 from tests.helpers import OutputProbe
 
 T, H, V = 96, 16, 1000  # tokens, hidden size, vocab
@@ -165,3 +167,36 @@ def test_the_probe_catches_full_logits_and_saved_chunks():
     assert saved.largest <= chunk * V and saved.peak_bytes > 4 * tokens * V
     ours = probe(lambda h, w, y: chunked_logprobs(h, w, y, 1.0, chunk), tokens, chunk)
     assert ours.peak_bytes * 4 < min(full.peak_bytes, saved.peak_bytes)
+
+
+def _vocab_parallel_rank(rank: int, out: str) -> None:
+    dist.init_distributed(rank, 2, f"{out}.init", backend="gloo", timeout_s=120)
+    try:
+        torch.manual_seed(0)  # the same inputs on both ranks; each holds half of the vocabulary
+        hidden = torch.randn(37, 16, requires_grad=True)
+        weight = torch.randn(50, 16)
+        labels = torch.randint(0, 50, (37,))
+        local = weight.chunk(2)[rank].clone().requires_grad_()
+        logp, entropy = vocab_parallel_logprobs(hidden, local, labels, torch.distributed.group.WORLD, 0.7, 8)
+        (logp.sum() + 0.3 * entropy.sum()).backward()
+        torch.save(
+            {"logp": logp, "entropy": entropy, "hidden": hidden.grad, "weight": local.grad}, f"{out}.{rank}"
+        )
+        dist.barrier()
+    finally:
+        dist.destroy()
+
+
+def test_the_vocabulary_split_over_two_ranks_gives_the_whole_heads_outputs_and_gradients(tmp_path):
+    mp.spawn(_vocab_parallel_rank, args=(str(tmp_path / "r"),), nprocs=2)
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (37,))
+    logp, entropy = chunked_logprobs(hidden, weight, labels, 0.7, 8)
+    (logp.sum() + 0.3 * entropy.sum()).backward()
+    ranks = [torch.load(tmp_path / f"r.{r}") for r in range(2)]
+    for r, got in enumerate(ranks):
+        for name, want in (("logp", logp), ("entropy", entropy), ("hidden", hidden.grad)):
+            torch.testing.assert_close(got[name], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["weight"], weight.grad.chunk(2)[r], atol=1e-5, rtol=1e-5)

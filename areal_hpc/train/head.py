@@ -77,6 +77,7 @@ def _chunk_dlogits(
     g_logp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
     temperature: float,
+    g_label: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One chunk's gradient w.r.t. its raw logits ``hidden @ weight.T``, from recomputed logits, computed in
     float32 and returned in ``hidden``'s dtype (the dtype of the matmuls it goes into).
@@ -86,6 +87,7 @@ def _chunk_dlogits(
              = -p_j (g_logp + g_ent (log p_j + H)) + g_logp [j = label],
     and ``g_logp``, ``g_ent`` (the outputs' gradients) come already divided by the temperature, which turns
     that into the gradient w.r.t. the raw logits. At most two chunk-sized float32 tensors are alive at once.
+    ``g_label`` (default ``g_logp``) is what the label's column gets: 0 where the label is another rank's.
     """
     logp_all = _scaled_logits(hidden, weight, temperature).sub_(lse[:, None])
     if g_ent is None:
@@ -97,7 +99,7 @@ def _chunk_dlogits(
             coef.add_(g_logp[:, None])
         dz = coef.mul_(p).neg_()
     if g_logp is not None:
-        dz.scatter_add_(1, labels[:, None], g_logp[:, None])
+        dz.scatter_add_(1, labels[:, None], (g_logp if g_label is None else g_label)[:, None])
     return dz.to(hidden.dtype)
 
 
@@ -188,4 +190,114 @@ def chunked_logprobs(
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return _ChunkedLogprobs.apply(hidden, weight, labels, float(temperature), chunk_tokens)
         logp, entropy, _ = _forward(hidden, weight, labels, temperature, chunk_tokens)
+        return logp, entropy
+
+
+# --- the vocabulary split over tensor-parallel ranks ----------------------------------------------------------
+
+
+def _global_lse(lse: torch.Tensor, group) -> torch.Tensor:
+    """The logsumexp over the whole vocabulary from every rank's logsumexp over its slice."""
+    parts = torch.empty(group.size() * lse.numel(), dtype=lse.dtype, device=lse.device)
+    torch.distributed.all_gather_into_tensor(parts, lse.contiguous(), group=group)  # flat: gloo needs it
+    return torch.logsumexp(parts.view(group.size(), -1), dim=0)
+
+
+def _local_labels(labels: torch.Tensor, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels as columns of this rank's slice ``[start, start + size)`` (0 where outside), and the inside mask."""
+    local = labels - start
+    inside = (local >= 0) & (local < size)
+    return torch.where(inside, local, 0), inside
+
+
+def _vocab_parallel_forward(hidden, weight, labels, temperature, chunk_tokens, group):
+    """Per-token ``(logp, entropy, logsumexp)`` over the whole vocabulary, and the labels as local columns."""
+    start = torch.distributed.get_rank(group) * weight.shape[0]
+    local, inside = _local_labels(labels, start, weight.shape[0])
+    n = hidden.shape[0]
+    logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+    for c in _chunks(n, chunk_tokens):
+        z = _scaled_logits(hidden[c], weight, temperature)
+        lse[c] = _global_lse(torch.logsumexp(z, dim=-1), group)
+        logp_all = z.sub_(lse[c][:, None])
+        sums = torch.stack(
+            [
+                -logp_all.exp().mul_(logp_all).sum(-1),
+                torch.where(inside[c], logp_all.gather(1, local[c][:, None]).squeeze(1), 0.0),
+            ]
+        )
+        del z, logp_all
+        torch.distributed.all_reduce(sums, group=group)
+        entropy[c], logp[c] = sums[0], sums[1]
+    return logp, entropy, lse, local, inside
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """``_ChunkedLogprobs`` with ``weight`` this rank's rows of the vocabulary: per chunk, the logsumexp is
+    gathered from all ranks, and the entropy and the label's logp (from the rank that holds it) are summed.
+    Backward sums ``hidden``'s gradient over the ranks; ``weight``'s stays this rank's."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk_tokens, group):
+        logp, entropy, lse, local, inside = _vocab_parallel_forward(
+            hidden, weight, labels, temperature, chunk_tokens, group
+        )
+        ctx.save_for_backward(hidden, weight, local, inside, lse, entropy)
+        ctx.temperature, ctx.chunk_tokens, ctx.group = temperature, chunk_tokens, group
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, local, inside, lse, entropy = ctx.saved_tensors
+        none = (None,) * 6
+        if grad_logp is None and grad_entropy is None:
+            return none
+        tau = ctx.temperature
+        g_logp = None if grad_logp is None else grad_logp.float() / tau
+        g_ent = None if grad_entropy is None else grad_entropy.float() / tau
+        g_label = None if g_logp is None else torch.where(inside, g_logp, 0.0)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for c in _chunks(hidden.shape[0], ctx.chunk_tokens):
+                h = hidden[c]
+                dz = _chunk_dlogits(
+                    h,
+                    weight,
+                    local[c],
+                    lse[c],
+                    entropy[c],
+                    None if g_logp is None else g_logp[c],
+                    None if g_ent is None else g_ent[c],
+                    tau,
+                    None if g_label is None else g_label[c],
+                )
+                grad_hidden[c] = dz @ weight
+                _accumulate(grad_weight, dz.T, h)
+                del dz
+        torch.distributed.all_reduce(grad_hidden, group=ctx.group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    group,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked_logprobs`` with the LM head's rows split over the ranks of ``group`` in rank order: ``weight``
+    is this rank's ``[V / n, H]``, ``hidden`` and ``labels`` are the same on every rank, and so are the outputs.
+    A collective of ``group`` (two per chunk in forward, one in backward)."""
+    if group is None or group.size() == 1:
+        return chunked_logprobs(hidden, weight, labels, temperature, chunk_tokens)
+    with torch.autocast(hidden.device.type, enabled=False):
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return _VocabParallelLogprobs.apply(
+                hidden, weight, labels, float(temperature), chunk_tokens, group
+            )
+        logp, entropy, *_ = _vocab_parallel_forward(hidden, weight, labels, temperature, chunk_tokens, group)
         return logp, entropy

@@ -75,6 +75,14 @@ def enable_checkpointing(model: nn.Module) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_pointwise(net: nn.Module) -> None:
+    """Compile the norms and MLPs (on CUDA): their chains of elementwise ops fuse, and the activations saved
+    for backward shrink to the matmuls' inputs. Dynamic shapes: every micro-batch has another length."""
+    for module in net.modules():
+        if type(module).__name__.endswith(("RMSNorm", "MLP")):
+            module.compile(dynamic=True)
+
+
 def copy_tokenizer(src_dir: Path, out_dir: Path) -> None:
     """Copy the tokenizer files of ``src_dir`` (those it has) into ``out_dir``."""
     for name in TOKENIZER_FILES:

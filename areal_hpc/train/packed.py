@@ -94,11 +94,22 @@ def packed_attention(
             f"(got batch {query.shape[0]}, dropout {dropout}, sliding_window {sliding_window})"
         )
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, dim]
+    return causal_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
+
+
+def causal_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence: ``q [T, heads, dim]``, ``k``, ``v [T, kv_heads, dim]``
+    -> ``[T, heads, dim]`` (the kernel as above)."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        out = _varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
-    else:
-        out = _per_sequence(q, k, v, cu_seq_lens_q, scaling)
-    return out[None], None
+        return _varlen(q, k, v, cu_seqlens, max_len, scale)
+    return _per_sequence(q, k, v, cu_seqlens, scale)
 
 
 AttentionInterface.register(ATTENTION, packed_attention)

@@ -37,7 +37,7 @@ from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.head import chunked_logprobs
 from areal_hpc.train.microbatch import micro_batch_groups, seq_lengths, to_torch, token_indices
-from areal_hpc.train.models import DTYPES, ValueModel, enable_checkpointing, load_model
+from areal_hpc.train.models import DTYPES, ValueModel, compile_pointwise, enable_checkpointing, load_model
 from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
 
@@ -72,14 +72,6 @@ class PackedModel(nn.Module):
             "logprobs": align_next_token(logp, cu_seqlens),
             "entropy": align_next_token(entropy, cu_seqlens),
         }
-
-
-def _compile_pointwise(net: nn.Module) -> None:
-    """Compile the norms and MLPs (on CUDA): their chains of elementwise ops fuse, and the activations saved
-    for backward shrink to the matmuls' inputs. Dynamic shapes: every micro-batch has another length."""
-    for module in net.modules():
-        if type(module).__name__.endswith(("RMSNorm", "MLP")):
-            module.compile(dynamic=True)
 
 
 def _shard(net: PackedModel, mp: MixedPrecisionPolicy | None) -> None:
@@ -124,7 +116,7 @@ class FSDPEngine(RecoverState):
             enable_checkpointing(model)
         self.net = PackedModel(model).to(self.device)
         if self.device.type == "cuda":
-            _compile_pointwise(self.net)
+            compile_pointwise(self.net)
         mixed = self.trainable and self.dtype != torch.float32
         _shard(
             self.net,
