@@ -7,7 +7,7 @@ backends  the training and generation backends a config can name, and what each 
 docs      docs/config.md and `areal-hpc config options`, rendered from the schema
 """
 
-from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend
+from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend, megatron_model_problems
 from areal_hpc.config.checks import allocation_of, trainer_models
 from areal_hpc.config.docs import render_markdown, render_options
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
@@ -27,6 +27,7 @@ from areal_hpc.config.schema import (
 __all__ = [
     "GEN_BACKENDS",
     "TRAIN_BACKENDS",
+    "megatron_model_problems",
     "Backend",
     "ConfigError",
     "DatasetConfig",

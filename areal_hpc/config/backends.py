@@ -26,3 +26,29 @@ TRAIN_BACKENDS = {
 GEN_BACKENDS = {
     "builtin": Backend("areal_hpc.gen.backends.builtin"),
 }
+
+MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama")  # the HF models the megatron backend builds
+
+
+def megatron_model_problems(hf: dict, tp: int = 1, pp: int = 1) -> list[str]:
+    """What keeps the HF model of config.json ``hf`` from the megatron backend at tensor size ``tp`` and
+    pipeline size ``pp`` (attention heads against ``tp`` are alloc.check_model_heads' to judge)."""
+    kind = hf.get("model_type")
+    if kind not in MEGATRON_MODEL_TYPES:
+        return [
+            f"model_type {kind!r} is not one the megatron backend builds ({', '.join(MEGATRON_MODEL_TYPES)})"
+        ]
+    out = []
+    if hf.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act {hf['hidden_act']!r}: the megatron backend builds SwiGLU (silu) MLPs")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        out.append(f"rope_type {rope_type!r}: the megatron backend has plain rotary embeddings only")
+    if hf.get("use_sliding_window") or hf.get("mlp_bias"):
+        out.append("sliding-window attention and MLP biases are not built by the megatron backend")
+    if hf["num_hidden_layers"] % pp:
+        out.append(f"{hf['num_hidden_layers']} layers do not split evenly into {pp} pipeline stages")
+    if hf["vocab_size"] % tp:
+        out.append(f"the vocabulary ({hf['vocab_size']}) does not split evenly over tensor size {tp}")
+    return out

@@ -1,0 +1,154 @@
+"""HF <-> Megatron weights, shard by shard: which HF tensors make each parameter of one (TP rank, PP stage).
+
+Megatron's layout, per decoder layer:
+- ``linear_qkv``: q, k and v fused and grouped per KV head, ``[g0: q heads, k, v | g1: ... ]``, so that a
+  TP rank's rows are whole groups;
+- ``linear_fc1``: ``[gate; up]`` of this TP rank's columns;
+- column-parallel layers (qkv, fc1) and the vocabulary (embedding, LM head) split rows over TP ranks, row-parallel
+  layers (``linear_proj``, ``linear_fc2``) split columns; norms are whole on every rank;
+- a stage holds ``num_layers / pp`` consecutive layers, named from 0 on the stage.
+Tied embeddings: one stage holds the embedding and uses it as the LM head; with several stages the last one
+has its own copy (``output_layer``) of the HF ``embed_tokens``.
+
+Everything here is pure (tensors in, tensors out): the engine brings the tensors and gathers the shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank's shards sit: its TP rank of ``tp``, its PP stage of ``pp``."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """One Megatron parameter: the HF tensors it is made of, how it splits over TP ranks."""
+
+    hf_names: tuple[str, ...]
+    kind: Literal["plain", "qkv", "fc1"] = "plain"
+    split: int | None = None  # the TP dimension of a plain parameter; None: whole on every rank
+
+    @property
+    def tp_dim(self) -> int | None:
+        """The dimension split over TP ranks (None: whole on every rank)."""
+        return 0 if self.kind != "plain" else self.split
+
+
+def stage_layers(n_layers: int, layout: Layout) -> range:
+    """The global indices of the decoder layers on this stage."""
+    per_stage = n_layers // layout.pp
+    return range(layout.pp_rank * per_stage, (layout.pp_rank + 1) * per_stage)
+
+
+def params_of(hf: dict[str, Any], layout: Layout) -> dict[str, Param]:
+    """This stage's Megatron parameters by name, each with its HF sources (TP splits are the same on all ranks)."""
+    tied = bool(hf.get("tie_word_embeddings"))
+    out: dict[str, Param] = {}
+    if layout.first:
+        out["embedding.word_embeddings.weight"] = Param(("model.embed_tokens.weight",), split=0)
+    qkv_bias = hf["model_type"] == "qwen2" or bool(hf.get("attention_bias"))
+    for local, layer in enumerate(stage_layers(hf["num_hidden_layers"], layout)):
+        m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
+        attn = h + "self_attn."
+        out[m + "input_layernorm.weight"] = Param((h + "input_layernorm.weight",))
+        out[m + "self_attention.linear_qkv.weight"] = Param(
+            tuple(f"{attn}{x}_proj.weight" for x in "qkv"), kind="qkv"
+        )
+        if qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = Param(
+                tuple(f"{attn}{x}_proj.bias" for x in "qkv"), kind="qkv"
+            )
+        if hf["model_type"] == "qwen3":
+            out[m + "self_attention.q_layernorm.weight"] = Param((attn + "q_norm.weight",))
+            out[m + "self_attention.k_layernorm.weight"] = Param((attn + "k_norm.weight",))
+        out[m + "self_attention.linear_proj.weight"] = Param((attn + "o_proj.weight",), split=1)
+        out[m + "pre_mlp_layernorm.weight"] = Param((h + "post_attention_layernorm.weight",))
+        out[m + "mlp.linear_fc1.weight"] = Param(
+            (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"
+        )
+        out[m + "mlp.linear_fc2.weight"] = Param((h + "mlp.down_proj.weight",), split=1)
+    if layout.last:
+        out["decoder.final_layernorm.weight"] = Param(("model.norm.weight",))
+        if not tied:
+            out["output_layer.weight"] = Param(("lm_head.weight",), split=0)
+        elif not layout.first:  # the last stage's copy of the tied embedding
+            out["output_layer.weight"] = Param(("model.embed_tokens.weight",), split=0)
+    return out
+
+
+def _groups(hf: dict[str, Any]) -> int:
+    return hf.get("num_key_value_heads") or hf["num_attention_heads"]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[q; k; v]`` (weights ``[rows, H]`` or biases ``[rows]``) regrouped per KV head."""
+    q, k, v = (x.reshape(groups, -1, *x.shape[1:]) for x in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+def split_qkv(fused: torch.Tensor, groups: int, n_heads: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of ``fuse_qkv``: ``(q, k, v)``."""
+    per_group = fused.reshape(groups, -1, *fused.shape[1:])
+    head = per_group.shape[1] // (n_heads // groups + 2)
+    q, k, v = per_group.split([per_group.shape[1] - 2 * head, head, head], dim=1)
+    return tuple(x.reshape(-1, *fused.shape[1:]) for x in (q, k, v))
+
+
+def shard(param: Param, tensors: Sequence[torch.Tensor], hf: dict[str, Any], layout: Layout) -> torch.Tensor:
+    """This TP rank's shard of ``param`` from its full HF ``tensors`` (in ``param.hf_names`` order)."""
+    tp, rank = layout.tp, layout.tp_rank
+    if param.kind == "qkv":
+        return fuse_qkv(*tensors, _groups(hf)).chunk(tp)[rank]
+    if param.kind == "fc1":
+        gate, up = (x.chunk(tp)[rank] for x in tensors)
+        return torch.cat([gate, up])
+    (full,) = tensors
+    return full if param.split is None else full.chunk(tp, dim=param.split)[rank]
+
+
+def unshard(param: Param, shards: Sequence[torch.Tensor], hf: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The full HF tensors of ``param`` (in ``param.hf_names`` order) from its shards of every TP rank."""
+    if param.kind == "qkv":
+        return split_qkv(torch.cat(list(shards)), _groups(hf), hf["num_attention_heads"])
+    if param.kind == "fc1":
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+    return (shards[0] if param.split is None else torch.cat(list(shards), dim=param.split),)
+
+
+def load_shards(
+    hf: dict[str, Any], layout: Layout, read: Callable[[str], torch.Tensor]
+) -> Iterator[tuple[str, Param, torch.Tensor]]:
+    """This rank's Megatron parameters, one at a time, from ``read(hf_name)`` (a full HF tensor)."""
+    for name, param in params_of(hf, layout).items():
+        yield name, param, shard(param, [read(n) for n in param.hf_names], hf, layout)
+
+
+def exported(hf: dict[str, Any], layout: Layout) -> dict[str, Param]:
+    """The parameters of ``params_of`` whose HF tensors this stage exports: each HF tensor once over all
+    stages (a tied embedding by the first stage, not by the last one's copy)."""
+    return {
+        name: param
+        for name, param in params_of(hf, layout).items()
+        if not (name == "output_layer.weight" and param.hf_names == ("model.embed_tokens.weight",))
+    }

@@ -1,0 +1,327 @@
+"""MegatronEngine: one model as a megatron-core GPTModel, tensor, pipeline and data parallel, on packed
+micro-batches.
+
+- Layout: Megatron's groups over the trainer's process group (``parallel.init_parallel``); each rank holds its
+  TP shard of its PP stage's layers, loaded from the HF checkpoint shard by shard (``convert``). Ranks of one
+  data-parallel replica (its TP x PP ranks) run the same micro-batches.
+- Precision: parameters in the compute ``dtype``; float32 gradients (Megatron's DDP buffers) and float32
+  master weights and Adam state in Megatron's distributed optimizer, sharded over the data-parallel ranks.
+- Schedule: every forward and backward runs through Megatron's schedule (1F1B over the stages with pipeline
+  size > 1); gradients are SUMMED over data-parallel ranks (the losses come normalised), clipped by the
+  optimizer over the whole model.
+- The LM head is ``train.head``'s, by chunks of tokens over this TP rank's slice of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from safetensors import safe_open
+
+from areal_hpc.algo import align_next_token
+from areal_hpc.config import MicroBatchSpec, ModelConfig
+from areal_hpc.data import CU, select
+from areal_hpc.train import dist
+from areal_hpc.train.backends.hf_dir import write_hf_dir
+from areal_hpc.train.backends.megatron import convert
+from areal_hpc.train.backends.megatron.model import build_model, output_weight, transformer_config
+from areal_hpc.train.backends.megatron.parallel import init_parallel, on_device
+from areal_hpc.train.head import vocab_parallel_logprobs
+from areal_hpc.train.microbatch import micro_batch_groups, seq_lengths, to_torch, token_indices
+from areal_hpc.train.models import DTYPES, compile_pointwise
+from areal_hpc.train.numerics import LossFn, lr_factor
+
+HEAD_CHUNK_TOKENS = 4096
+EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
+
+
+def hf_reader(model_dir: Path):
+    """``read(name)``: one full tensor of the HF checkpoint in ``model_dir`` (one file or an index of them)."""
+    index = model_dir / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+    @cache
+    def handle(file: str):
+        return safe_open(model_dir / file, "pt")
+
+    def read(name: str) -> torch.Tensor:
+        return handle(files[name] if files else "model.safetensors").get_tensor(name)
+
+    return read
+
+
+def packed_params(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, PackedSeqParams]:
+    """The positions (restarting at 0 per sequence) and Megatron's description of a packed micro-batch."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+    positions = positions - torch.repeat_interleave(cu_seqlens[:-1], lengths)
+    cu32, longest = cu_seqlens.to(torch.int32), int(lengths.max())
+    return positions, PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
+def _finalize(model, num_tokens=None, **kwargs):
+    """Megatron's gradient reduction without its division by the token count (our losses are normalised)."""
+    finalize_model_grads(model, None, **kwargs)
+
+
+class MegatronEngine:
+    """A causal LM on this rank's part of a ``tensor`` x ``pipeline`` layout (data parallel over the rest)."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        total_train_steps: int | None = None,
+        seed: int = 1,
+        *,
+        critic: bool = False,
+        tensor: int = 1,
+        pipeline: int = 1,
+    ):
+        if critic:
+            raise NotImplementedError("the megatron backend has no value model yet: give critic.backend fsdp")
+        if not model_cfg.path:
+            raise ValueError("the model config has no path to load the model from")
+        dist.init_alone()
+        torch.manual_seed(seed)
+        self.cfg, self.source_dir = model_cfg, Path(model_cfg.path)
+        self.hf = json.loads((self.source_dir / "config.json").read_text())
+        self.device, self.dtype = dist.default_device(), DTYPES[model_cfg.dtype]
+        self.trainable, self.critic = total_train_steps is not None, False
+        self.total_steps, self.steps_done = max(1, total_train_steps or 1), 0
+        with on_device():
+            self.layout = init_parallel(tensor, pipeline)
+            recompute = self.trainable and getattr(model_cfg, "gradient_checkpointing", False)
+            self.config = transformer_config(self.hf, self.dtype, tensor, pipeline, recompute)
+            self.model = build_model(self.hf, self.config, self.layout.first, self.layout.last).to(
+                self.device
+            )
+            self._load_hf()
+            if self.device.type == "cuda":
+                compile_pointwise(self.model)
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.optimizer = self.ddp = None
+            if self.trainable:
+                self._make_optimizer()
+            else:
+                self.model.requires_grad_(False)
+        self.model.eval()
+
+    def _load_hf(self) -> None:
+        """This rank's shards from the HF checkpoint. Each parameter is also marked with its TP split, which
+        megatron-core sets only when it initialises weights itself (the optimizer's gradient norm reads it)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, param, shard in convert.load_shards(self.hf, self.layout, hf_reader(self.source_dir)):
+                tensor = params.pop(name)
+                tensor.copy_(shard)
+                if param.tp_dim is not None:  # the attributes of set_tensor_model_parallel_attributes
+                    tensor.tensor_model_parallel, tensor.partition_dim, tensor.partition_stride = (
+                        True,
+                        param.tp_dim,
+                        1,
+                    )
+        if params:
+            raise RuntimeError(f"no HF weights for Megatron parameters {sorted(params)}")
+
+    def _make_optimizer(self) -> None:
+        opt = self.cfg.optimizer
+        self.ddp = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+            self.model,
+        )
+        self.config.finalize_model_grads_func = _finalize
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.beta1,
+                adam_beta2=opt.beta2,
+                adam_eps=opt.eps,
+                clip_grad=opt.gradient_clipping,
+                bf16=self.dtype == torch.bfloat16,
+                fp16=self.dtype == torch.float16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=True,
+            ),
+            [self.ddp],
+        )
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        lr = self.cfg.optimizer.lr * lr_factor(self.steps_done, self.total_steps, self.cfg.optimizer)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # --- the schedule -----------------------------------------------------------------------------------
+
+    def _head(self, hidden: torch.Tensor, mb: Mapping[str, torch.Tensor], temperature: float):
+        ids = mb["packed_input_ids"]
+        logp, entropy = vocab_parallel_logprobs(
+            hidden[:, 0],
+            output_weight(self.model),
+            torch.roll(ids, -1),
+            self.tp_group,
+            temperature,
+            HEAD_CHUNK_TOKENS,
+        )
+        cu = mb[CU]
+        return {"logprobs": align_next_token(logp, cu), "entropy": align_next_token(entropy, cu)}
+
+    def _schedule(self, mbs: list[dict[str, torch.Tensor]], temperature: float, loss_fn: LossFn | None):
+        """Megatron's schedule over ``mbs``; on the last stage, each micro-batch's outputs (inference) or losses.
+
+        With ``loss_fn`` None it runs forward only and returns the outputs; else forward and backward."""
+        model = self.ddp if self.ddp is not None else self.model
+
+        def forward_step(data_iterator, net):
+            mb = next(data_iterator)
+            positions, packed = packed_params(mb[CU])
+            hidden = net(mb["packed_input_ids"][None], positions[None], None, packed_seq_params=packed)
+
+            def loss_func(last_hidden):
+                outputs = self._head(last_hidden, mb, temperature)
+                if loss_fn is None:
+                    return last_hidden.new_zeros(()), torch.tensor(1), {"outputs": outputs}
+                loss = loss_fn(outputs, mb) if mb.get("empty") is None else outputs["logprobs"].sum() * 0.0
+                return loss, torch.tensor(1), {"loss": loss.detach()}
+
+            return hidden, loss_func
+
+        with on_device():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs),
+                model=[model],
+                num_microbatches=len(mbs),
+                seq_length=max(int(mb[CU][-1]) for mb in mbs),
+                micro_batch_size=1,
+                forward_only=loss_fn is None,
+            )
+
+    def _from_last_stage(self, values: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
+        """The last stage's per-micro-batch outputs on every stage (a broadcast over the pipeline group)."""
+        if self.layout.pp == 1:
+            return values
+        flat = torch.cat(values) if self.layout.last else torch.empty(sum(lengths), device=self.device)
+        torch.distributed.broadcast(
+            flat.to(self.device),
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return list(flat.split(lengths))
+
+    # --- forward ----------------------------------------------------------------------------------------
+
+    def logprobs(self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec):
+        """Token-aligned float32 logprobs (T) of ``packed_input_ids``; 0 at each sequence's first token."""
+        inputs = {CU: batch[CU], "packed_input_ids": batch["packed_input_ids"]}
+        groups = micro_batch_groups(seq_lengths(batch), mb_spec)
+        mbs = [to_torch(select(inputs, g), self.device) for g in groups]
+        self.model.eval()
+        with torch.no_grad():
+            results = self._schedule(mbs, temperature, None)
+        values = [r["outputs"]["logprobs"].float() for r in results]
+        values = self._from_last_stage(values, [int(mb[CU][-1]) for mb in mbs])
+        out = torch.zeros(int(batch[CU][-1]), dtype=torch.float32)
+        for group, v in zip(groups, values, strict=True):
+            out[torch.from_numpy(token_indices(batch[CU], group))] = v.cpu()
+        return out
+
+    def values(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec) -> torch.Tensor:
+        raise TypeError("values need a critic engine; the megatron backend has none yet")
+
+    # --- training ---------------------------------------------------------------------------------------
+
+    def train_minibatch(
+        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """One optimizer step over this replica's ``micro_batches`` (see ``TrainEngine``)."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine is inference-only (made with total_train_steps=None)")
+        mbs = [to_torch(mb, self.device) for mb in micro_batches]
+        if not mbs:  # a replica without samples still joins the gradient reduction and the update
+            mbs = [{**to_torch(EMPTY_MB, self.device), "empty": torch.ones(())}]
+        with on_device():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self.model.train()
+        results = self._schedule(mbs, temperature, loss_fn)
+        self.model.eval()
+        total = torch.tensor(sum(float(r["loss"]) for r in results), dtype=torch.float64, device=self.device)
+        if self.layout.pp > 1:  # the losses live on the last stage
+            torch.distributed.broadcast(
+                total,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        lr = self.optimizer.param_groups[0]["lr"]
+        with on_device():
+            updated, grad_norm, _ = self.optimizer.step()
+        self.steps_done += 1
+        self._set_lr()
+        return {"loss": float(total), "grad_norm": grad_norm if updated else math.nan, "lr": lr}
+
+    # --- weights out ------------------------------------------------------------------------------------
+
+    def _exported(self) -> Iterator[tuple[convert.Param, torch.Tensor]]:
+        """Each parameter this stage exports, with this rank's shard of it."""
+        params = dict(self.model.named_parameters())
+        for name, param in convert.exported(self.hf, self.layout).items():
+            yield param, params[name].detach()
+
+    def hf_params(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under their HF names as meta tensors of their full shapes (for the bucket plan)."""
+        out = {}
+        for param, shard in self._exported():
+            metas = [torch.empty_like(shard, device="meta")] * self.layout.tp
+            for hf_name, full in zip(param.hf_names, convert.unshard(param, metas, self.hf), strict=True):
+                out[hf_name] = torch.empty(full.shape, dtype=self.dtype, device="meta")
+        return out
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights under their HF names, one Megatron parameter at a time gathered over the TP ranks
+        (a collective of every rank). Pipeline size 1 only, for now."""
+        if self.layout.pp > 1:
+            raise NotImplementedError(
+                "weights out of pipeline stages are not gathered yet (issue 13, point 4)"
+            )
+        for param, shard in self._exported():
+            shards = [torch.empty_like(shard) for _ in range(self.layout.tp)]
+            torch.distributed.all_gather(shards, shard.contiguous(), group=self.tp_group)
+            for hf_name, full in zip(param.hf_names, convert.unshard(param, shards, self.hf), strict=True):
+                yield hf_name, full.to(self.dtype)
+
+    def save_hf(self, path: str | Path) -> Path | None:
+        return write_hf_dir(path, self.hf_params(), self.hf_weights(), self.source_dir, self.dtype)
+
+    # --- recover state ----------------------------------------------------------------------------------
+
+    def state_dict(self):
+        raise NotImplementedError("recover checkpoints of the megatron backend: issue 13, point 4")
+
+    def load_state_dict(self, state) -> None:
+        raise NotImplementedError("recover checkpoints of the megatron backend: issue 13, point 4")
+
+    def schedule_state(self) -> dict:
+        return {"steps_done": self.steps_done}
+
+    def load_schedule_state(self, state) -> None:
+        if state:
+            self.steps_done = int(state["steps_done"])
+            self._set_lr()

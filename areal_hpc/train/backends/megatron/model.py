@@ -1,0 +1,162 @@
+"""A megatron-core GPTModel from an HF config (Qwen2, Qwen3, LLaMA), on megatron-core's local layer spec.
+
+Two modules of the spec are ours:
+- the core attention (``PackedAttention``): causal attention within each packed sequence (``train.packed``),
+  where the local spec's DotProductAttention takes no packed sequences (Transformer Engine's does, and it is
+  not installed);
+- the model's last stage returns the final hidden states (after the last norm), not logits: the LM head runs
+  in ``train.head`` chunk by chunk over this rank's slice of the vocabulary, never as ``[T, V]`` logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from areal_hpc.config import megatron_model_problems
+from areal_hpc.train.packed import causal_varlen
+
+
+def rope_theta(hf: dict[str, Any]) -> float:
+    """The rotary base of an HF config (transformers 5 keeps it in ``rope_parameters``)."""
+    return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def head_dim(hf: dict[str, Any]) -> int:
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def transformer_config(
+    hf: dict[str, Any], dtype: torch.dtype, tp: int = 1, pp: int = 1, recompute: bool = False
+) -> TransformerConfig:
+    """Megatron's config of the HF model ``hf`` (its config.json) at tensor size ``tp`` and pipeline size ``pp``.
+
+    Parameters are created empty (the weights come from the HF checkpoint); fused kernels only on CUDA.
+    """
+    problems = megatron_model_problems(hf, tp, pp)
+    if problems:
+        raise ValueError("; ".join(problems))
+    cuda = torch.cuda.is_available()
+    qwen2 = hf["model_type"] == "qwen2"
+    config = TransformerConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        kv_channels=head_dim(hf),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qwen2 or bool(hf.get("attention_bias")),
+        qk_layernorm=hf["model_type"] == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not cuda,
+        perform_initialization=False,
+        bias_activation_fusion=False,  # the engine compiles the whole MLP on CUDA
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        calculate_per_token_loss=True,  # our losses come normalised: Megatron must not divide them again
+    )
+    # Every packed micro-batch has its own length: stages send their shapes first. Set after the checks,
+    # which refuse it for a MoE dispatcher this dense model does not have.
+    config.variable_seq_lengths = True
+    return config
+
+
+class PackedAttention(MegatronModule):
+    """Core attention over packed sequences (``thd``): ``q [T, heads, dim]``, ``k``, ``v [T, groups, dim]`` of
+    this TP rank -> ``[T, heads * dim]``, causal within each sequence of ``packed_seq_params``."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout=None,
+        softmax_scale: float | None = None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        self.scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if packed_seq_params is None or attention_bias is not None:
+            raise NotImplementedError("PackedAttention runs packed sequences (thd) without an attention bias")
+        cu = packed_seq_params.cu_seqlens_q
+        out = causal_varlen(query, key, value, cu, packed_seq_params.max_seqlen_q, self.scale)
+        return out.reshape(out.shape[0], -1)
+
+
+def layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """The local spec (RMSNorm, SwiGLU, plain torch layers) with ``PackedAttention``."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    attention = spec.submodules.self_attention
+    submodules = dataclasses.replace(attention.submodules, core_attention=PackedAttention)
+    self_attention = dataclasses.replace(attention, submodules=submodules)
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention)
+    )
+
+
+class HiddenGPT(GPTModel):
+    """A GPTModel whose last stage returns the final hidden states ``[T, 1, H]`` instead of logits."""
+
+    def _postprocess(self, hidden_states, **kwargs):
+        return hidden_states
+
+
+def build_model(hf: dict[str, Any], config: TransformerConfig, first: bool, last: bool) -> HiddenGPT:
+    """This pipeline stage's part of the model (``first``: it embeds; ``last``: it holds the LM head)."""
+    return HiddenGPT(
+        config,
+        layer_spec(config),
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf),
+    )
+
+
+def output_weight(model: HiddenGPT) -> torch.Tensor:
+    """The last stage's LM-head weight, ``[V / tp, H]`` (the embedding's when they are tied on one stage)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight

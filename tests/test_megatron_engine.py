@@ -1,0 +1,111 @@
+"""The megatron backend on CPU gloo ranks: HF <-> Megatron conversion bit for bit, the GPTModel's logprobs
+equal to the HF model's at TP=1, TP=2 and PP=2, and a training step at TP=2 and PP=2 equal to TP=1's."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from areal_hpc.config import megatron_model_problems
+from areal_hpc.config.schema import MicroBatchSpec
+from areal_hpc.train import dist
+from areal_hpc.train.backends.megatron import convert
+from areal_hpc.train.microbatch import micro_batches
+from tests.test_fsdp_engine import alone, model_config, nll, packed
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tensor, pipeline)
+
+
+def hf_of(model_dir) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_hf_to_megatron_and_back_is_bit_exact(tiny_model_dir, tp, pp):
+    hf, weights = hf_of(tiny_model_dir), load_file(tiny_model_dir / "model.safetensors")
+    back = {}
+    for pp_rank in range(pp):
+        layouts = [convert.Layout(tp, r, pp, pp_rank) for r in range(tp)]
+        ranks = [
+            dict((n, t) for n, _, t in convert.load_shards(hf, lay, weights.__getitem__)) for lay in layouts
+        ]
+        for name, param in convert.exported(hf, layouts[0]).items():
+            full = convert.unshard(param, [r[name] for r in ranks], hf)
+            back.update(zip(param.hf_names, full, strict=True))
+    assert back.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_fused_qkv_keeps_each_kv_group_whole_on_a_tp_rank():
+    q, k, v = torch.arange(8)[:, None] * 1.0, torch.arange(100, 104)[:, None] * 1.0, -torch.arange(4)[:, None]
+    fused = convert.fuse_qkv(q, k, v, groups=2)  # 4 query rows and 2 of k and v per group
+    assert fused[:, 0].tolist() == [0, 1, 2, 3, 100, 101, 0, -1, 4, 5, 6, 7, 102, 103, -2, -3]
+    assert all(torch.equal(a, b) for a, b in zip(convert.split_qkv(fused, 2, 4), (q, k, v), strict=True))
+
+
+def test_models_the_backend_cannot_build_are_named():
+    hf = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 3,
+        "vocab_size": 1001,
+        "rope_parameters": {"rope_type": "yarn"},
+    }
+    problems = megatron_model_problems(hf, tp=2, pp=2)
+    assert any("rope_type 'yarn'" in p for p in problems)
+    assert any("3 layers do not split evenly into 2 pipeline stages" in p for p in problems)
+    assert any("(1001) does not split evenly over tensor size 2" in p for p in problems)
+    assert "gemma" in megatron_model_problems({"model_type": "gemma"})[0]
+
+
+def _rank_main(rank, world, tp, pp, model_dir, out):
+    torch.set_num_threads(1)
+    dist.init_distributed(rank, world, f"{out}.init", backend="gloo", timeout_s=300)
+    try:
+        from areal_hpc.train.backends.megatron.engine import MegatronEngine
+
+        engine = MegatronEngine(model_config(model_dir), total_train_steps=10, tensor=tp, pipeline=pp)
+        batch = packed()
+        before = engine.logprobs(batch, 1.0, MicroBatchSpec(max_tokens_per_mb=16))
+        step = engine.train_minibatch(micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20)), nll)
+        after = engine.logprobs(batch, 0.7, MicroBatchSpec(max_tokens_per_mb=16))
+        weights = dict(engine.hf_weights()) if pp == 1 else {}
+        torch.save({"before": before, "step": step, "after": after, "weights": weights}, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy()
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """Each layout of LAYOUTS run once on tp * pp gloo ranks: rank 0's results."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = {}
+    for tp, pp in LAYOUTS:
+        prefix = str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}") / "rank")
+        mp.spawn(_rank_main, args=(tp * pp, tp, pp, str(tiny_model_dir), prefix), nprocs=tp * pp)
+        out[tp, pp] = [torch.load(f"{prefix}.{r}") for r in range(tp * pp)]
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_logprobs_equal_the_hf_models(runs, tiny_model_dir, layout):
+    expected = alone(tiny_model_dir, packed(), 1.0)
+    for rank in runs[layout]:  # every rank answers, the pipeline's first stage too
+        torch.testing.assert_close(rank["before"], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)])
+def test_a_training_step_equals_one_ranks(runs, layout):
+    one, many = runs[1, 1][0], runs[layout]
+    for rank in many:
+        assert rank["step"]["loss"] == pytest.approx(one["step"]["loss"], rel=1e-6)
+        assert rank["step"]["grad_norm"] == pytest.approx(one["step"]["grad_norm"], rel=1e-5)
+        torch.testing.assert_close(rank["after"], one["after"], atol=1e-5, rtol=0)
+    for name, tensor in many[0]["weights"].items():
+        torch.testing.assert_close(tensor, one["weights"][name], atol=1e-6, rtol=0)
