@@ -16,6 +16,7 @@ Prints one JSON line per measurement, then a summary of ratios against the basel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -109,7 +110,12 @@ def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: b
     )  # fmt: skip
     row = {"shape": shape, "backend": backend, "gradient_checkpointing": ckpt, "offload": offload}
     torch.cuda.reset_peak_memory_stats()
-    engine = make_engine(cfg, total_train_steps=100)
+    if backend == "megatron":  # not a config choice yet: its trainer wiring is to come (issue 13)
+        from areal_hpc.train.backends.megatron.engine import MegatronEngine
+
+        engine = MegatronEngine(dataclasses.replace(cfg, backend="fsdp"), total_train_steps=100)
+    else:
+        engine = make_engine(cfg, total_train_steps=100)
     batch = workload()
     spec = MicroBatchSpec(max_tokens_per_mb=MAX_TOKENS_PER_MB)
     mbs = micro_batches(batch, spec)
@@ -317,6 +323,11 @@ def summary(rows: list[dict]) -> None:
     by = {(r["shape"], r["backend"], r.get("gradient_checkpointing"), r.get("ranks")): r for r in rows}
     for r in rows:
         base = by.get((r["shape"], "torch", True, None))
+        fsdp = by.get((r["shape"], "fsdp", r.get("gradient_checkpointing"), None))
+        if r["backend"] == "megatron" and fsdp and "tokens_per_s" in r and "tokens_per_s" in fsdp:
+            print(f"{r['shape']} megatron (gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}): "
+                  f"{r['tokens_per_s'] / fsdp['tokens_per_s']:.2f}x the fsdp engine's tokens/s, "
+                  f"MFU {r['mfu']:.1%} vs {fsdp['mfu']:.1%}, peak {r['peak_gib']} vs {fsdp['peak_gib']} GiB")  # fmt: skip
         if r["backend"] == "fsdp" and base and "tokens_per_s" in r and "tokens_per_s" in base:
             print(f"{r['shape']} fsdp (gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}): "
                   f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x the padded torch engine's tokens/s, "
