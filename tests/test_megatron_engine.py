@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from areal_hpc.config import megatron_model_problems
 from areal_hpc.config.schema import MicroBatchSpec
@@ -75,7 +76,9 @@ def _rank_main(rank, world, tp, pp, model_dir, out):
         step = engine.train_minibatch(micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20)), nll)
         after = engine.logprobs(batch, 0.7, MicroBatchSpec(max_tokens_per_mb=16))
         weights = dict(engine.hf_weights()) if pp == 1 else {}
-        torch.save({"before": before, "step": step, "after": after, "weights": weights}, f"{out}.{rank}")
+        saved = engine.save_hf(f"{out}.saved") if pp == 1 else None  # rank 0 returns the directory
+        result = {"before": before, "step": step, "after": after, "weights": weights, "saved": saved}
+        torch.save(result, f"{out}.{rank}")
         dist.barrier()
     finally:
         dist.destroy()
@@ -109,3 +112,9 @@ def test_a_training_step_equals_one_ranks(runs, layout):
         torch.testing.assert_close(rank["after"], one["after"], atol=1e-5, rtol=0)
     for name, tensor in many[0]["weights"].items():
         torch.testing.assert_close(tensor, one["weights"][name], atol=1e-6, rtol=0)
+
+
+def test_save_hf_gathers_the_tp_shards_into_a_directory_transformers_loads(runs):
+    saved = AutoModelForCausalLM.from_pretrained(runs[2, 1][0]["saved"], dtype=torch.float32).state_dict()
+    for name, tensor in runs[2, 1][0]["weights"].items():
+        torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0)

@@ -29,6 +29,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from areal_hpc.algo import align_next_token
 from areal_hpc.config import MicroBatchSpec, ModelConfig
@@ -308,7 +309,10 @@ class MegatronEngine:
                 yield hf_name, full.to(self.dtype)
 
     def save_hf(self, path: str | Path) -> Path | None:
-        return write_hf_dir(path, self.hf_params(), self.hf_weights(), self.source_dir, self.dtype)
+        """The model as an HF directory (a collective; rank 0 writes shard files as tensors are gathered)."""
+        with torch.device("meta"):  # the HF model only for its config and generation config
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.source_dir))
+        return write_hf_dir(path, skeleton, self.hf_weights(), self.source_dir, self.dtype)
 
     # --- recover state ----------------------------------------------------------------------------------
 
