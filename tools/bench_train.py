@@ -16,7 +16,6 @@ Prints one JSON line per measurement, then a summary of ratios against the basel
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -113,7 +112,7 @@ def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: b
     if backend == "megatron":  # not a config choice yet: its trainer wiring is to come (issue 13)
         from areal_hpc.train.backends.megatron.engine import MegatronEngine
 
-        engine = MegatronEngine(dataclasses.replace(cfg, backend="fsdp"), total_train_steps=100)
+        engine = MegatronEngine(cfg, total_train_steps=100)
     else:
         engine = make_engine(cfg, total_train_steps=100)
     batch = workload()

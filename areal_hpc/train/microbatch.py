@@ -17,6 +17,10 @@ from areal_hpc.algo import balanced_partition, ffd_pack, seq_index, split_miniba
 from areal_hpc.config import MicroBatchSpec
 from areal_hpc.data import CU, select
 
+# A micro-batch of one token, run (with zero loss) by a rank that has fewer micro-batches than its peers or none,
+# so that every rank makes the same collective calls.
+EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
+
 Batch = Mapping[str, np.ndarray]
 
 

@@ -35,14 +35,11 @@ from areal_hpc.data import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.recover_state import RecoverState
-from areal_hpc.train.head import chunked_logprobs
-from areal_hpc.train.microbatch import micro_batch_groups, seq_lengths, to_torch, token_indices
+from areal_hpc.train.head import HEAD_CHUNK_TOKENS, chunked_logprobs
+from areal_hpc.train.microbatch import EMPTY_MB, micro_batch_groups, seq_lengths, to_torch, token_indices
 from areal_hpc.train.models import DTYPES, ValueModel, compile_pointwise, enable_checkpointing, load_model
 from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
-
-HEAD_CHUNK_TOKENS = 4096  # LM-head rows per chunk: Qwen's [4096, 151936] bf16 logits are 1.2 GB
-EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
 
 
 class PackedModel(nn.Module):

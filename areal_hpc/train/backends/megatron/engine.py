@@ -39,13 +39,11 @@ from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.megatron import convert
 from areal_hpc.train.backends.megatron.model import build_model, output_weight, transformer_config
 from areal_hpc.train.backends.megatron.parallel import init_parallel, on_device
-from areal_hpc.train.head import vocab_parallel_logprobs
-from areal_hpc.train.microbatch import micro_batch_groups, seq_lengths, to_torch, token_indices
+from areal_hpc.train.head import HEAD_CHUNK_TOKENS, vocab_parallel_logprobs
+from areal_hpc.train.microbatch import EMPTY_MB, micro_batch_groups, seq_lengths, to_torch, token_indices
 from areal_hpc.train.models import DTYPES, compile_pointwise
 from areal_hpc.train.numerics import LossFn, lr_factor
-
-HEAD_CHUNK_TOKENS = 4096
-EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
+from areal_hpc.train.packed import packed_kwargs
 
 
 def hf_reader(model_dir: Path):
@@ -65,11 +63,9 @@ def hf_reader(model_dir: Path):
 
 def packed_params(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, PackedSeqParams]:
     """The positions (restarting at 0 per sequence) and Megatron's description of a packed micro-batch."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
-    positions = positions - torch.repeat_interleave(cu_seqlens[:-1], lengths)
-    cu32, longest = cu_seqlens.to(torch.int32), int(lengths.max())
-    return positions, PackedSeqParams(
+    kw = packed_kwargs(cu_seqlens)
+    cu32, longest = kw["cu_seq_lens_q"], kw["max_length_q"]
+    return kw["position_ids"][0], PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=longest, max_seqlen_kv=longest
     )
 
@@ -101,7 +97,7 @@ class MegatronEngine:
         self.cfg, self.source_dir = model_cfg, Path(model_cfg.path)
         self.hf = json.loads((self.source_dir / "config.json").read_text())
         self.device, self.dtype = dist.default_device(), DTYPES[model_cfg.dtype]
-        self.trainable, self.critic = total_train_steps is not None, False
+        self.trainable = total_train_steps is not None
         self.total_steps, self.steps_done = max(1, total_train_steps or 1), 0
         with on_device():
             self.layout = init_parallel(tensor, pipeline)
@@ -215,17 +211,15 @@ class MegatronEngine:
                 forward_only=loss_fn is None,
             )
 
-    def _from_last_stage(self, values: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
-        """The last stage's per-micro-batch outputs on every stage (a broadcast over the pipeline group)."""
-        if self.layout.pp == 1:
-            return values
-        flat = torch.cat(values) if self.layout.last else torch.empty(sum(lengths), device=self.device)
-        torch.distributed.broadcast(
-            flat.to(self.device),
-            src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
-        )
-        return list(flat.split(lengths))
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``tensor`` on every stage (in place: a broadcast over the pipeline group)."""
+        if self.layout.pp > 1:
+            torch.distributed.broadcast(
+                tensor,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return tensor
 
     # --- forward ----------------------------------------------------------------------------------------
 
@@ -237,8 +231,12 @@ class MegatronEngine:
         self.model.eval()
         with torch.no_grad():
             results = self._schedule(mbs, temperature, None)
-        values = [r["outputs"]["logprobs"].float() for r in results]
-        values = self._from_last_stage(values, [int(mb[CU][-1]) for mb in mbs])
+        lengths = [int(mb[CU][-1]) for mb in mbs]
+        if self.layout.last:  # the outputs live on the last stage
+            flat = torch.cat([r["outputs"]["logprobs"].float() for r in results])
+        else:
+            flat = torch.empty(sum(lengths), device=self.device)
+        values = self._from_last_stage(flat).split(lengths)
         out = torch.zeros(int(batch[CU][-1]), dtype=torch.float32)
         for group, v in zip(groups, values, strict=True):
             out[torch.from_numpy(token_indices(batch[CU], group))] = v.cpu()
@@ -265,12 +263,7 @@ class MegatronEngine:
         results = self._schedule(mbs, temperature, loss_fn)
         self.model.eval()
         total = torch.tensor(sum(float(r["loss"]) for r in results), dtype=torch.float64, device=self.device)
-        if self.layout.pp > 1:  # the losses live on the last stage
-            torch.distributed.broadcast(
-                total,
-                src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
+        self._from_last_stage(total)  # the losses live on the last stage
         lr = self.optimizer.param_groups[0]["lr"]
         with on_device():
             updated, grad_norm, _ = self.optimizer.step()
