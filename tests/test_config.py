@@ -160,7 +160,18 @@ def test_malformed_override_and_yaml(tmp_path):
             "but ref.backend 'fsdp' has no tensor",
         ),
         (["allocation_mode=builtin.d4p1m1+actor_inf:d4p1m1"], "no layout for actor_train"),
-        (["actor.backend=megatron"], "'actor.backend' is 'megatron'; choose one of fsdp, torch"),
+        (
+            ["actor.backend=megatron", "recover_mode=auto"],
+            "'recover_mode' is 'auto', but 'actor.backend' 'megatron' writes no recover checkpoints yet",
+        ),
+        (
+            ["ppo.disable_value=false", "critic.path=/m", "critic.backend=megatron"],
+            "'critic.backend' 'megatron' has no value model yet (give one of fsdp, torch)",
+        ),
+        (
+            ["actor.backend=megatron", "allocation_mode=builtin.d4p1m1+actor_train:d2p1m2,*:d4p1m1"],
+            "per-MFC layouts that differ",
+        ),
         (
             ["actor.backend=torch", "actor.optimizer.offload=true"],
             "'actor.optimizer.offload' needs a backend that offloads (fsdp); 'actor.backend' is 'torch'",
@@ -171,6 +182,21 @@ def test_value_checks_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides)
     assert message in str(err.value)
+
+
+def test_a_model_megatron_cannot_split_is_refused_with_its_config_file(tiny_model_dir):
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            overrides=[
+                f"actor.path={tiny_model_dir}",
+                "actor.backend=megatron",
+                "ref.backend=megatron",
+                "allocation_mode=builtin.d4p1m1+d1p4m1",
+            ]
+        )
+    assert f"'actor.path' ({tiny_model_dir / 'config.json'}): 2 layers do not split evenly into 4" in str(
+        err.value
+    )
 
 
 def test_all_problems_are_reported_at_once():

@@ -75,8 +75,8 @@ def _rank_main(rank, world, tp, pp, model_dir, out):
         before = engine.logprobs(batch, 1.0, MicroBatchSpec(max_tokens_per_mb=16))
         step = engine.train_minibatch(micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20)), nll)
         after = engine.logprobs(batch, 0.7, MicroBatchSpec(max_tokens_per_mb=16))
-        weights = dict(engine.hf_weights()) if pp == 1 else {}
-        saved = engine.save_hf(f"{out}.saved") if pp == 1 else None  # rank 0 returns the directory
+        weights = dict(engine.hf_weights())
+        saved = engine.save_hf(f"{out}.saved")  # rank 0 returns the directory
         result = {"before": before, "step": step, "after": after, "weights": weights, "saved": saved}
         torch.save(result, f"{out}.{rank}")
         dist.barrier()
@@ -114,7 +114,12 @@ def test_a_training_step_equals_one_ranks(runs, layout):
         torch.testing.assert_close(tensor, one["weights"][name], atol=1e-6, rtol=0)
 
 
-def test_save_hf_gathers_the_tp_shards_into_a_directory_transformers_loads(runs):
-    saved = AutoModelForCausalLM.from_pretrained(runs[2, 1][0]["saved"], dtype=torch.float32).state_dict()
-    for name, tensor in runs[2, 1][0]["weights"].items():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_rank_gets_the_whole_model_and_save_hf_writes_it_for_transformers(runs, layout):
+    ranks = runs[layout]
+    saved = AutoModelForCausalLM.from_pretrained(ranks[0]["saved"], dtype=torch.float32).state_dict()
+    assert ranks[0]["weights"].keys() == runs[1, 1][0]["weights"].keys()
+    for name, tensor in ranks[0]["weights"].items():
         torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0)
+        for rank in ranks[1:]:  # the other TP rank, or the other pipeline stage
+            torch.testing.assert_close(rank["weights"][name], tensor, atol=0, rtol=0)

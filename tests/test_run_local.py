@@ -132,3 +132,16 @@ def test_a_failure_every_attempt_would_repeat_ends_the_run_at_once(toy, capsys):
     assert "0 of the 250 prompts" in err and "dataset.max_prompt_len=8" in err and "not restarted" in err
     run = run_dir_of(cfg)
     assert get_status(run).permanent and not run.attempt_logs(1).exists()
+
+
+def test_grpo_steps_with_the_actor_on_megatron_tensor_parallel_over_two_trainer_ranks(toy):
+    tp2 = ("allocation_mode=builtin.d1p1m1+d1p1m2", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3")
+    cfg = toy.config("megatron-tp2", 2, *tp2, "actor.backend=megatron", "recover_mode=disabled")
+    assert run_local(cfg) == 0
+    run = run_dir_of(cfg)
+    steps = [r for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # One data-parallel replica of two TP ranks: its samples counted once, not once per rank.
+    assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in steps)
+    assert all(r["ppo_actor/importance_weight/avg"] == pytest.approx(1.0, abs=1e-3) for r in steps)
+    assert (run.root / "checkpoints/actor/epoch0epochstep2globalstep2/model.safetensors").is_file()

@@ -109,12 +109,7 @@ def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: b
     )  # fmt: skip
     row = {"shape": shape, "backend": backend, "gradient_checkpointing": ckpt, "offload": offload}
     torch.cuda.reset_peak_memory_stats()
-    if backend == "megatron":  # not a config choice yet: its trainer wiring is to come (issue 13)
-        from areal_hpc.train.backends.megatron.engine import MegatronEngine
-
-        engine = MegatronEngine(cfg, total_train_steps=100)
-    else:
-        engine = make_engine(cfg, total_train_steps=100)
+    engine = make_engine(cfg, total_train_steps=100)
     batch = workload()
     spec = MicroBatchSpec(max_tokens_per_mb=MAX_TOKENS_PER_MB)
     mbs = micro_batches(batch, spec)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hpc import alloc
-from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS
+from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems
 from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
@@ -77,6 +77,20 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         out.append("'critic.path' is required when 'ppo.disable_value' is false")
     if cfg.ppo.group_adv_norm and cfg.group_size < 2:
         out.append("'ppo.group_adv_norm' needs 'group_size' >= 2")
+    for name, model in trainer_models(cfg).items():
+        backend = TRAIN_BACKENDS.get(model.backend)
+        if backend is None:  # the choices check names it
+            continue
+        if name == "critic" and not backend.value_model:
+            able = [b for b, spec in TRAIN_BACKENDS.items() if spec.value_model]
+            out.append(
+                f"'critic.backend' {model.backend!r} has no value model yet (give one of {', '.join(able)})"
+            )
+        if not backend.recover and cfg.recover_mode != "disabled":
+            out.append(
+                f"'recover_mode' is {cfg.recover_mode!r}, but '{name}.backend' {model.backend!r} writes no recover "
+                "checkpoints yet: set recover_mode: disabled"
+            )
     for name in ("actor", "critic"):
         model = getattr(cfg, name)
         if model.optimizer.offload and not TRAIN_BACKENDS[model.backend].optimizer_offload:
@@ -114,17 +128,34 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
         )
     for key, spec in mode.train:
         out += _parallel_problems(cfg, key, spec)
+    if len({spec for _, spec in mode.train}) > 1:
+        out.append(
+            f"'allocation_mode': per-MFC layouts that differ ({cfg.allocation_mode!r}) need parameter "
+            "reallocation, which no training backend has yet: give every MFC the same layout"
+        )
     if out:
         return out
     try:
         allocation = alloc.resolve_allocation(mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
-        heads = _model_heads(cfg.actor.path)
-        if heads is not None:
-            alloc.check_model_heads(allocation, *heads)
+        hf = _hf_config(cfg.actor.path)
+        if hf is not None and "num_attention_heads" in hf:
+            heads = hf["num_attention_heads"]
+            alloc.check_model_heads(allocation, heads, hf.get("num_key_value_heads", heads))
         alloc.check_pipeline_batch(allocation, cfg.dataset.train_bs_n_seqs * cfg.group_size)
     except alloc.AllocationError as e:
         return [f"'allocation_mode': {e}"]
-    return []
+    return _megatron_model_problems(cfg, allocation.train_spec("actor_train"))
+
+
+def _megatron_model_problems(cfg: ExperimentConfig, spec: alloc.ParallelSpec) -> list[str]:
+    """What keeps each model on the megatron backend from being built at the layout's TP and PP sizes."""
+    out = []
+    for name, model in trainer_models(cfg).items():
+        hf = _hf_config(model.path) if model.backend == "megatron" else None
+        if hf is not None:
+            where = f"'{name}.path' ({Path(model.path) / 'config.json'})"
+            out += [f"{where}: {p}" for p in megatron_model_problems(hf, spec.tensor, spec.pipeline)]
+    return out
 
 
 def allocation_of(cfg: ExperimentConfig) -> alloc.Allocation:
@@ -162,18 +193,12 @@ def _parallel_problems(cfg: ExperimentConfig, key: str, spec: alloc.ParallelSpec
     return out
 
 
-def _model_heads(path: str | None) -> tuple[int, int] | None:
-    """(attention heads, KV heads) from a local HF config.json, or None when there is none to read."""
+def _hf_config(path: str | None) -> dict | None:
+    """A local HF config.json, or None when there is none to read."""
     if not path:
         return None
     config_file = Path(path).expanduser() / "config.json"
-    if not config_file.is_file():
-        return None
-    hf = json.loads(config_file.read_text())
-    heads = hf.get("num_attention_heads")
-    if heads is None:
-        return None
-    return heads, hf.get("num_key_value_heads", heads)
+    return json.loads(config_file.read_text()) if config_file.is_file() else None
 
 
 def validate(cfg: ExperimentConfig) -> None:

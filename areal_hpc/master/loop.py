@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from areal_hpc.config import ExperimentConfig
+from areal_hpc.config import ExperimentConfig, allocation_of
 from areal_hpc.control import RunDir, fsio
 from areal_hpc.data import PromptDataset, read_batch, read_keys
 from areal_hpc.master.buffer import Buffer, SampleMeta
@@ -67,6 +67,7 @@ class Master:
     ):
         train, heldout = data
         self.cfg, self.rundir, self.graph, self.trainers = cfg, run, graph, trainers
+        self.layout = allocation_of(cfg).train_spec("actor_train")  # the trainer ranks' layout, every MFC's
         self.rl = cfg.experiment_type == "ppo"
         self.guard = StepGuard()
         if not self.rl:
@@ -157,21 +158,20 @@ class Master:
         samples = buffer.ready(mfc.name, n_samples)
         if samples is None:
             raise RuntimeError(f"{mfc.name}: fewer than {n_samples} samples have its inputs {mfc.inputs}")
-        parts = split_by_rank(samples, self.trainers.n_ranks)
+        # A part per data-parallel replica; its first rank (TP and PP rank 0) writes the outputs.
+        parts = split_by_rank(samples, self.layout.data)
         keys = [k for k in mfc.inputs if k in samples[0].keys]
-        payloads = [
-            {
-                "mfc": mfc.name,
-                "refs": refs_payload(part, keys),
-                "out": str(self.rundir.step_data(step) / f"{mfc.name}.r{rank}.h5"),
-                "global_step": step,  # for head/tail off-policyness
-            }
-            for rank, part in enumerate(parts)
-        ]
+        payloads, written = [], []
+        for rank in range(self.trainers.n_ranks):
+            dp, tp, pp = self.layout.coords(rank)
+            out = str(self.rundir.step_data(step) / f"{mfc.name}.r{rank}.h5") if tp == pp == 0 else None
+            refs = refs_payload(parts[dp], keys)  # global_step: for head/tail off-policyness
+            payloads.append({"mfc": mfc.name, "refs": refs, "out": out, "global_step": step})
+            if out and mfc.outputs:
+                written.append((parts[dp], out))
         results = self.trainers.call(mfc.kind, payloads)
-        for part, payload in zip(parts, payloads, strict=True):
-            if mfc.outputs:
-                buffer.amend([s.sample_id for s in part], payload["out"], mfc.outputs)
+        for part, out in written:
+            buffer.amend([s.sample_id for s in part], out, mfc.outputs)
         buffer.consume(mfc.name, [s.sample_id for s in samples])
         stats = dict(results[0].get("stats", {})) if mfc.kind == "train_step" else {}
         stats[f"timeperf/{mfc.name}"] = time.monotonic() - start

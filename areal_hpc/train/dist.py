@@ -99,8 +99,8 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
-def _active() -> bool:
-    return is_initialized() and dist.get_world_size() > 1
+def _active(group=None) -> bool:
+    return is_initialized() and dist.get_world_size(group) > 1
 
 
 def _comm_device(tensor: torch.Tensor) -> torch.device:
@@ -110,22 +110,23 @@ def _comm_device(tensor: torch.Tensor) -> torch.device:
     return tensor.device
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """The elementwise reduction (``sum``, ``min`` or ``max``) of ``tensor`` over all ranks, as a new tensor.
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """The elementwise reduction (``sum``, ``min`` or ``max``) of ``tensor`` over the ranks of ``group`` (None:
+    all ranks), as a new tensor.
 
     Every rank must call it with a tensor of the same shape and dtype.
     """
     out = tensor.detach().clone()
-    if not _active():
+    if not _active(group):
         return out
     comm = out.to(_comm_device(out))
-    dist.all_reduce(comm, op=_OPS[op])
+    dist.all_reduce(comm, op=_OPS[op], group=group)
     return comm.to(tensor.device)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor`` over all ranks, as a new tensor (a copy when alone)."""
-    return all_reduce(tensor, "sum")
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks of ``group`` (None: all), as a new tensor (a copy when alone)."""
+    return all_reduce(tensor, "sum", group)
 
 
 def all_reduce_(tensor: torch.Tensor) -> None:
@@ -139,12 +140,12 @@ def all_reduce_(tensor: torch.Tensor) -> None:
         tensor.copy_(all_reduce_sum(tensor))
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """The picklable ``obj`` of every rank, in rank order (``[obj]`` when alone)."""
-    if not _active():
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """The picklable ``obj`` of every rank of ``group`` (None: all), in rank order (``[obj]`` when alone)."""
+    if not _active(group):
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

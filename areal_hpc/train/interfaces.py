@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 
 import numpy as np
 import torch
@@ -72,8 +73,11 @@ def _require(batch: Batch, keys: Iterable[str], what: str) -> None:
         raise KeyError(f"{what} needs batch keys {missing}; the batch holds {sorted(batch)}")
 
 
-def _advantages(batch: Batch, ppo: PPOConfig, *, use_values: bool, adv_norm: bool) -> dict[str, torch.Tensor]:
-    """``compute_advantages`` on this rank's batch; the batch-wide normalisation spans all ranks."""
+def _advantages(
+    batch: Batch, ppo: PPOConfig, *, use_values: bool, adv_norm: bool, group=None
+) -> dict[str, torch.Tensor]:
+    """``compute_advantages`` on this rank's batch; the batch-wide normalisation spans the data-parallel ranks
+    (``group``; None: all ranks)."""
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
     kl = ppo.kl_ctl != 0
     return compute_advantages(
@@ -93,7 +97,7 @@ def _advantages(batch: Batch, ppo: PPOConfig, *, use_values: bool, adv_norm: boo
         group_adv_norm=ppo.group_adv_norm,
         group_ids=t["group_ids"] if adv_norm and ppo.group_adv_norm else None,
         # Not algo's dist_sum: NCCL cannot reduce these CPU tensors; ours moves them to the GPU and back.
-        reduce_fn=dist.all_reduce_sum,
+        reduce_fn=partial(dist.all_reduce_sum, group=group),
     )
 
 
@@ -137,7 +141,8 @@ def _train_minibatches(
     """One optimizer step per minibatch; each loss is normalised by the minibatch's valid tokens on all ranks."""
     for part in minibatches(batch, n_minibatches):
         n_valid = 0.0 if part is None else float(part["loss_mask"].sum())
-        normaliser = max(dist.all_reduce_sum(torch.tensor(n_valid, dtype=torch.float64)).item(), 1.0)
+        n_valid = dist.all_reduce_sum(torch.tensor(n_valid, dtype=torch.float64), engine.dp_group)
+        normaliser = max(n_valid.item(), 1.0)
         mbs = [] if part is None else micro_batches(part, mb_spec)
         step = engine.train_minibatch(mbs, make_loss_fn(normaliser), temperature)
         tracker.mean("grad_norm", step["grad_norm"])
@@ -164,7 +169,9 @@ def actor_train_step(
     keys = _rl_keys(ppo, values=not ppo.disable_value) + (["proximal_logprobs"] if decoupled else [])
     keys += ["group_ids"] if ppo.adv_norm and ppo.group_adv_norm else []
     _require(batch, keys, "actor_train")
-    adv = _advantages(batch, ppo, use_values=not ppo.disable_value, adv_norm=ppo.adv_norm)
+    adv = _advantages(
+        batch, ppo, use_values=not ppo.disable_value, adv_norm=ppo.adv_norm, group=engine.dp_group
+    )
     data = {**batch, "advantages": adv["advantages"].numpy(), "loss_mask": adv["loss_mask"].numpy()}
     old_key = old_logprob_key(ppo)
     tracker = StatsTracker()
@@ -193,7 +200,7 @@ def actor_train_step(
 
     temperature = ppo.gen.temperature
     _train_minibatches(engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker, temperature)
-    return tracker.reduce("ppo_actor")
+    return tracker.reduce("ppo_actor", engine.dp_group)
 
 
 def critic_train_step(
@@ -201,7 +208,9 @@ def critic_train_step(
 ) -> dict[str, float]:
     """critic_train: clipped value loss towards the GAE returns, ``ppo_n_minibatches`` updates; ``ppo_critic/``."""
     _require(batch, _rl_keys(ppo, values=True), "critic_train")
-    adv = _advantages(batch, ppo, use_values=True, adv_norm=False)  # returns do not depend on normalisation
+    adv = _advantages(
+        batch, ppo, use_values=True, adv_norm=False, group=engine.dp_group
+    )  # returns do not depend on normalisation
     data = {**batch, "returns": adv["returns"].numpy(), "loss_mask": adv["loss_mask"].numpy()}
     tracker = StatsTracker()
 
@@ -221,7 +230,7 @@ def critic_train_step(
         return loss_fn
 
     _train_minibatches(engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker)
-    return tracker.reduce("ppo_critic")
+    return tracker.reduce("ppo_critic", engine.dp_group)
 
 
 def sft_train_step(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, float]:
@@ -243,7 +252,7 @@ def sft_train_step(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -
         return loss_fn
 
     _train_minibatches(engine, data, 1, mb_spec, make_loss_fn, tracker)
-    stats = tracker.reduce()
+    stats = tracker.reduce(group=engine.dp_group)
     loss = stats["nll"] / max(stats["n_tokens"], 1.0)
     return {
         "sft/loss": loss,

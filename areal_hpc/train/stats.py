@@ -58,9 +58,12 @@ class StatsTracker:
             elif name in totals:
                 self.total(name, stat)
 
-    def reduce(self, scope: str = "") -> dict[str, float]:
-        """``{scope}/{name}...`` floats combined over all ranks (a collective; identical on every rank)."""
-        names = dist.all_gather_object((sorted(self._masked), sorted(self._totals), sorted(self._means)))
+    def reduce(self, scope: str = "", group=None) -> dict[str, float]:
+        """``{scope}/{name}...`` floats combined over the ranks of ``group`` (None: all ranks; a collective,
+        identical on every rank)."""
+        names = dist.all_gather_object(
+            (sorted(self._masked), sorted(self._totals), sorted(self._means)), group
+        )
         masked, totals, means = (sorted(set().union(*(n[i] for n in names))) for i in range(3))
         empty = [0.0, 0.0, float("inf"), float("-inf")]
         m = torch.tensor([self._masked.get(k, empty) for k in masked], dtype=torch.float64).reshape(-1, 4)
@@ -73,8 +76,8 @@ class StatsTracker:
                 ),
             ]
         )
-        sums = dist.all_reduce(sums, "sum")
-        lows = dist.all_reduce(torch.cat([m[:, 2], -m[:, 3]]), "min")  # max as the min of negatives
+        sums = dist.all_reduce(sums, "sum", group)
+        lows = dist.all_reduce(torch.cat([m[:, 2], -m[:, 3]]), "min", group)  # max as the min of negatives
 
         prefix = f"{scope}/" if scope else ""
         out: dict[str, float] = {}

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_hpc.config import ExperimentConfig, trainer_models
+from areal_hpc.config import ExperimentConfig, allocation_of, trainer_models
 from areal_hpc.control import RunContext, WorkerServer, fsio, task_name
 from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
@@ -52,9 +52,10 @@ class TrainerHandlers:
         cfg = self.cfg
         n_minibatches = 1 if cfg.experiment_type == "sft" else cfg.ppo.ppo_n_minibatches
         total = payload["total_train_steps"] * n_minibatches
+        spec = allocation_of(cfg).train_spec("actor_train")  # every model of the trainer on its layout
         for name, model_cfg in trainer_models(cfg).items():  # the reference policy does not train
             steps = None if name == "ref" else total
-            self.engines[name] = make_engine(model_cfg, steps, cfg.seed, critic=name == "critic")
+            self.engines[name] = make_engine(model_cfg, steps, cfg.seed, critic=name == "critic", spec=spec)
         logger.info("rank %d/%d loaded %s", self.rank, self.world_size, sorted(self.engines))
         return {"models": sorted(self.engines)}
 
@@ -71,7 +72,8 @@ class TrainerHandlers:
             out = interfaces.critic_inference(self.engines["critic"], batch, self.cfg.critic_inf.mb_spec)
         else:
             raise ValueError(f"trainer cannot run inference call {mfc!r} (ppo options {ppo.disable_value=})")
-        write_batch(payload["out"], {CU: batch[CU], **out})
+        if payload["out"]:  # one rank of each data-parallel replica writes its outputs
+            write_batch(payload["out"], {CU: batch[CU], **out})
         return {"path": payload["out"]}
 
     def train_step(self, payload: dict) -> dict:

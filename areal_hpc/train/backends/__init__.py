@@ -4,8 +4,9 @@ A backend is a package (config/backends.py names it, by `actor.backend`, `ref.ba
 `Engine(model_cfg, total_train_steps, seed, critic=...)` is a `TrainEngine`. The model function calls
 (`train.interfaces`), the request handlers (`train.worker`) and weight publication use nothing else of it.
 
-    fsdp    parameters, gradients and optimizer state sharded over the data-parallel ranks (the default)
-    torch   the whole model on every rank, gradients summed over the data-parallel ranks
+    fsdp      parameters, gradients and optimizer state sharded over the data-parallel ranks (the default)
+    torch     the whole model on every rank, gradients summed over the data-parallel ranks
+    megatron  megatron-core: tensor, pipeline and data parallel (Engine(..., tensor=, pipeline=))
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from areal_hpc.alloc import ParallelSpec
 from areal_hpc.config import TRAIN_BACKENDS, MicroBatchSpec, ModelConfig
 from areal_hpc.train.numerics import LossFn
 
@@ -28,6 +30,9 @@ class TrainEngine(Protocol):
     device: torch.device
     dtype: torch.dtype  # the compute dtype, also that of published weights
     trainable: bool
+    # The ranks holding other data (a minibatch's normaliser and statistics are reduced over them); None: all
+    # ranks. With tensor or pipeline parallelism, the ranks of one replica hold the same data.
+    dp_group: Any
 
     def logprobs(
         self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec
@@ -65,8 +70,18 @@ class TrainEngine(Protocol):
 
 
 def make_engine(
-    model_cfg: ModelConfig, total_train_steps: int | None = None, seed: int = 1, *, critic: bool = False
+    model_cfg: ModelConfig,
+    total_train_steps: int | None = None,
+    seed: int = 1,
+    *,
+    critic: bool = False,
+    spec: ParallelSpec | None = None,
 ) -> TrainEngine:
-    """The engine of `model_cfg.backend`; `total_train_steps` None: inference only."""
-    module = importlib.import_module(TRAIN_BACKENDS[model_cfg.backend].module)
-    return module.Engine(model_cfg, total_train_steps, seed, critic=critic)
+    """The engine of `model_cfg.backend`; `total_train_steps` None: inference only. A backend with tensor or
+    pipeline parallelism gets their sizes from `spec` (the trainer's layout; None: 1 and 1)."""
+    backend = TRAIN_BACKENDS[model_cfg.backend]
+    module = importlib.import_module(backend.module)
+    kwargs = {}
+    if spec is not None and (backend.tensor_parallel or backend.pipeline_parallel):
+        kwargs = {"tensor": spec.tensor, "pipeline": spec.pipeline}
+    return module.Engine(model_cfg, total_train_steps, seed, critic=critic, **kwargs)

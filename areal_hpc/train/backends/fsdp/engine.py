@@ -91,6 +91,8 @@ class FSDPEngine(RecoverState):
     Arguments as ``TorchEngine``'s. Alone (no process group), the engine starts a one-rank group itself.
     """
 
+    dp_group = None  # every rank holds data of its own
+
     def __init__(
         self,
         model_cfg: ModelConfig,

@@ -1,5 +1,5 @@
-"""The megatron-core backend: tensor, pipeline and data parallel (issue 13; not a config choice until the
-trainer dispatches data per data-parallel replica).
+"""The megatron-core backend: tensor, pipeline and data parallel (`actor.backend: megatron`; the layout's TP and
+PP sizes come from allocation_mode).
 
     model     the GPTModel of an HF config, with our packed attention and a hidden-state last stage
     convert   HF <-> Megatron weights per TP rank and PP stage (pure)

@@ -14,6 +14,7 @@ micro-batches.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,6 +60,15 @@ def hf_reader(model_dir: Path):
         return handle(files[name] if files else "model.safetensors").get_tensor(name)
 
     return read
+
+
+def hf_shapes(model_dir: Path) -> dict[str, list[int]]:
+    """The shape of every tensor of the HF checkpoint in ``model_dir``, from the safetensors headers."""
+    shapes = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})  # noqa: SIM118 (not a dict)
+    return shapes
 
 
 def packed_params(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, PackedSeqParams]:
@@ -110,6 +120,7 @@ class MegatronEngine:
             if self.device.type == "cuda":
                 compile_pointwise(self.model)
             self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.dp_group = parallel_state.get_data_parallel_group()
             self.optimizer = self.ddp = None
             if self.trainable:
                 self._make_optimizer()
@@ -273,33 +284,41 @@ class MegatronEngine:
 
     # --- weights out ------------------------------------------------------------------------------------
 
-    def _exported(self) -> Iterator[tuple[convert.Param, torch.Tensor]]:
-        """Each parameter this stage exports, with this rank's shard of it."""
-        params = dict(self.model.named_parameters())
-        for name, param in convert.exported(self.hf, self.layout).items():
-            yield param, params[name].detach()
+    def _exports(self) -> Iterator[tuple[int, str, convert.Param]]:
+        """``(stage, param)`` of every parameter any stage exports, stage by stage: the order of both below."""
+        for stage in range(self.layout.pp):
+            layout = dataclasses.replace(self.layout, pp_rank=stage)
+            for name, param in convert.exported(self.hf, layout).items():
+                yield stage, name, param
 
     def hf_params(self) -> dict[str, torch.Tensor]:
-        """This stage's weights under their HF names as meta tensors of their full shapes (for the bucket plan)."""
-        out = {}
-        for param, shard in self._exported():
-            metas = [torch.empty_like(shard, device="meta")] * self.layout.tp
-            for hf_name, full in zip(param.hf_names, convert.unshard(param, metas, self.hf), strict=True):
-                out[hf_name] = torch.empty(full.shape, dtype=self.dtype, device="meta")
-        return out
+        """Every stage's weights under their HF names, as meta tensors of their full shapes (the bucket plan)."""
+        shapes = hf_shapes(self.source_dir)
+        return {
+            hf_name: torch.empty(shapes[hf_name], dtype=self.dtype, device="meta")
+            for _, _, param in self._exports()
+            for hf_name in param.hf_names
+        }
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full weights under their HF names, one Megatron parameter at a time gathered over the TP ranks
-        (a collective of every rank). Pipeline size 1 only, for now."""
-        if self.layout.pp > 1:
-            raise NotImplementedError(
-                "weights out of pipeline stages are not gathered yet (issue 13, point 4)"
-            )
-        for param, shard in self._exported():
-            shards = [torch.empty_like(shard) for _ in range(self.layout.tp)]
-            torch.distributed.all_gather(shards, shard.contiguous(), group=self.tp_group)
-            for hf_name, full in zip(param.hf_names, convert.unshard(param, shards, self.hf), strict=True):
-                yield hf_name, full.to(self.dtype)
+        """The full weights under their HF names, one Megatron parameter at a time, on every rank (a collective):
+        the stage that holds it gathers it over its TP ranks, then sends it to the other stages (a broadcast
+        over the pipeline group). No rank holds more than one full parameter besides its own shards."""
+        params, shapes = dict(self.model.named_parameters()), hf_shapes(self.source_dir)
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        for stage, name, param in self._exports():
+            if stage == self.layout.pp_rank:
+                shard = params[name].detach()
+                shards = [torch.empty_like(shard) for _ in range(self.layout.tp)]
+                torch.distributed.all_gather(shards, shard.contiguous(), group=self.tp_group)
+                fulls = [t.to(self.dtype) for t in convert.unshard(param, shards, self.hf)]
+            else:
+                fulls = [torch.empty(shapes[n], dtype=self.dtype, device=self.device) for n in param.hf_names]
+            for hf_name, full in zip(param.hf_names, fulls, strict=True):
+                if self.layout.pp > 1:
+                    src = torch.distributed.get_global_rank(pp_group, stage)
+                    torch.distributed.broadcast(full, src=src, group=pp_group)
+                yield hf_name, full
 
     def save_hf(self, path: str | Path) -> Path | None:
         """The model as an HF directory (a collective; rank 0 writes shard files as tensors are gathered)."""

@@ -55,6 +55,8 @@ class TorchEngine(RecoverState):
     Every rank must pass the same ``seed`` (it seeds the value head and anything random in the model).
     """
 
+    dp_group = None  # every rank holds data of its own
+
     def __init__(
         self,
         model_cfg: ModelConfig,
