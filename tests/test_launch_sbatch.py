@@ -35,6 +35,8 @@ CASES = {
     "toy-two-jobs": (("toy-cpu.yaml",), ("cluster.slurm.hetjob=false",)),
     "qwen3-1.7b-8gpu": (("qwen3-1.7b-8gpu.yaml",), ()),
     "qwen3-1.7b-32gpu": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
+    "qwen3-1.7b-8gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-megatron.yaml"), ()),
+    "qwen2.5-32b-64gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"), ()),
 }
 
 
