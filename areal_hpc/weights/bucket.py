@@ -95,7 +95,13 @@ def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -
     if dtype is None and len({t.dtype for t in tensors}) > 1:
         raise ValueError(f"a bucket holds one dtype: {sorted({dtype_name(t.dtype) for t in tensors})}")
     dtype = dtype or tensors[0].dtype
-    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+    # One copy per tensor, straight into place (no reshaped copy of a strided view, no cast copy, no cat), all
+    # of them in one foreach call: a bucket of hundreds of small tensors costs no Python loop of copies.
+    numels = [t.numel() for t in tensors]
+    out = torch.empty(sum(numels), dtype=dtype, device=tensors[0].device)
+    places = [part.view(t.shape) for part, t in zip(out.split(numels), tensors, strict=True)]
+    torch._foreach_copy_(places, [t.detach() for t in tensors])
+    return out
 
 
 def empty_buffer(bucket: Sequence[TensorMeta], device: torch.device | str = "cpu") -> torch.Tensor:

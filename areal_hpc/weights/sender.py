@@ -43,11 +43,13 @@ def send_buckets(
     stream = weights.items() if isinstance(weights, Mapping) else weights
     bucket_of = {m.name: i for i, b in enumerate(buckets) for m in b}
     held: dict[str, torch.Tensor] = {}
+    waiting = [len(b) for b in buckets]  # tensors each bucket still waits for: O(1) a tensor, not O(bucket)
     total, next_bucket = 0, 0
     for name, tensor in stream:
         if name in bucket_of:
+            waiting[bucket_of[name]] -= name not in held
             held[name] = tensor
-        while next_bucket < len(buckets) and all(m.name in held for m in buckets[next_bucket]):
+        while next_bucket < len(buckets) and waiting[next_bucket] == 0:
             bucket = buckets[next_bucket]
             flat = flatten([held.pop(m.name) for m in bucket], to_dtype(bucket[0].dtype))
             what = f"bucket {next_bucket + 1}/{len(buckets)} ({len(bucket)} tensors, {flat.nbytes} bytes)"
