@@ -16,6 +16,7 @@ Prints one JSON line per measurement, then a summary of ratios against the basel
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -101,7 +102,8 @@ def loss_fn(out: dict, mb: dict) -> torch.Tensor:
 
 
 def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: bool, offload: bool = False,
-               steps: int = 2, checkpoint_dir: Path | None = None, write_threads: tuple[int, ...] = (4,)) -> dict:  # fmt: skip
+               steps: int = 2, checkpoint_dir: Path | None = None, write_threads: tuple[int, ...] = (4,),
+               publish: bool = False, profile: bool = False) -> dict:  # fmt: skip
     """Warm up with one step, then time ``steps`` optimizer steps over the workload."""
     cfg = TrainedModelConfig(
         path=str(model_dir), backend=backend, dtype="bfloat16", gradient_checkpointing=ckpt,
@@ -135,9 +137,61 @@ def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: b
     })  # fmt: skip
     if checkpoint_dir is not None:
         row.update(checkpoint_once(engine, checkpoint_dir, mbs, write_threads))
+    if publish:
+        row.update(publish_once(engine))
+    if profile:
+        profile_step(engine, mbs)
     del engine
+    gc.collect()  # an engine's reference cycles hold its GPU memory until collected
     torch.cuda.empty_cache()
     return row
+
+
+class _NoNetwork:
+    """A weight group that sends nothing: what is left of publication is gathering and bucketing."""
+
+    def broadcast(self, flat: torch.Tensor, what: str) -> None:
+        pass
+
+
+def publish_once(engine, bucket_bytes: int = 64 << 20) -> dict:
+    """The engine's weights gathered into full HF tensors and flattened into the publisher's buckets (its own
+    ``send_buckets``, without the network), beside a device-to-device copy of the same bytes."""
+    from areal_hpc.weights.bucket import plan_buckets
+    from areal_hpc.weights.sender import send_buckets, weight_metas
+
+    buckets = plan_buckets(weight_metas(engine.hf_params(), engine.dtype), bucket_bytes)
+    send_buckets(_NoNetwork(), engine.hf_weights(), buckets)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    total = send_buckets(_NoNetwork(), engine.hf_weights(), buckets)
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in engine.hf_weights():  # the gathering alone
+        pass
+    torch.cuda.synchronize()
+    gather = time.perf_counter() - start
+    src = torch.empty(total, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    copy = time.perf_counter() - start
+    return {"publish_gb": round(total / 1e9, 2), "gather_bucket_s": round(secs, 3),
+            "gather_bucket_gbps": round(total / secs / 1e9, 1), "gather_s": round(gather, 3), "device_copy_gbps": round(total / copy / 1e9, 1)}  # fmt: skip
+
+
+def profile_step(engine, mbs, top: int = 25) -> None:
+    """The CUDA time of one training step by operator, the largest ``top`` (to find what a backend spends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.train_minibatch(mbs, loss_fn)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top), flush=True)
 
 
 def checkpoint_once(engine, folder: Path, mbs, write_threads: tuple[int, ...]) -> dict:
@@ -262,7 +316,8 @@ def cuda_main(args: argparse.Namespace) -> list[dict]:
             for backend, ckpt in runs:
                 timed = ckpt_dir if backend == "fsdp" and (backend, ckpt) == tuple(runs[-1]) else None
                 rows.append(train_once(model_dir, shape, n, backend, ckpt == "ckpt", checkpoint_dir=timed,
-                                       write_threads=tuple(int(t) for t in args.write_threads.split(","))))  # fmt: skip
+                                       write_threads=tuple(int(t) for t in args.write_threads.split(",")),
+                                       publish=args.publish, profile=args.profile))  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(model_dir)
         if args.offload_7b:
@@ -326,6 +381,10 @@ def summary(rows: list[dict]) -> None:
             print(f"{r['shape']} fsdp (gradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}): "
                   f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x the padded torch engine's tokens/s, "
                   f"MFU {r['mfu']:.1%} vs {base['mfu']:.1%}")  # fmt: skip
+        if "gather_bucket_gbps" in r:
+            print(f"{r['shape']} {r['backend']}: weights gathered and bucketed for publication at "
+                  f"{r['gather_bucket_gbps'] / r['device_copy_gbps']:.0%} of a device copy's bandwidth "
+                  f"({r['publish_gb']} GB in {r['gather_bucket_s']} s)")  # fmt: skip
         for key, ckpt in r.items():
             if key.startswith("ckpt_threads"):
                 print(f"{r['shape']} recover checkpoint ({key.removeprefix('ckpt_threads')} writer threads): "
@@ -351,6 +410,12 @@ def main() -> None:
         help="backend:ckpt|nockpt runs per shape (the first is the baseline; the last fsdp one times the checkpoint)",
     )  # fmt: skip
     parser.add_argument("--write-threads", default="4", help="checkpoint writer threads, one save per entry")
+    parser.add_argument(
+        "--publish", action="store_true", help="time gathering and bucketing the weights (cuda)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="print one step's CUDA time by operator (cuda)"
+    )
     parser.add_argument("--skip-checks", action="store_true", help="no attention and LM-head checks (cuda)")
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON lines")
     args = parser.parse_args()

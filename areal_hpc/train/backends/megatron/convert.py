@@ -127,13 +127,18 @@ def shard(param: Param, tensors: Sequence[torch.Tensor], hf: dict[str, Any], lay
 
 
 def unshard(param: Param, shards: Sequence[torch.Tensor], hf: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """The full HF tensors of ``param`` (in ``param.hf_names`` order) from its shards of every TP rank."""
+    """The full HF tensors of ``param`` (in ``param.hf_names`` order) from its shards of every TP rank; with
+    one shard, views of it (no copy)."""
+
+    def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=dim)
+
     if param.kind == "qkv":
-        return split_qkv(torch.cat(list(shards)), _groups(hf), hf["num_attention_heads"])
+        return split_qkv(cat(shards), _groups(hf), hf["num_attention_heads"])
     if param.kind == "fc1":
         halves = [s.chunk(2) for s in shards]
-        return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
-    return (shards[0] if param.split is None else torch.cat(list(shards), dim=param.split),)
+        return cat([g for g, _ in halves]), cat([u for _, u in halves])
+    return (shards[0] if param.split is None else cat(shards, param.split),)
 
 
 def load_shards(

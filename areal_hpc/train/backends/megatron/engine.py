@@ -120,6 +120,7 @@ class MegatronEngine:
             if self.device.type == "cuda":
                 compile_pointwise(self.model)
             self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self._views = None  # hf_weights' views of the parameters (TP and PP size 1)
             self.dp_group = parallel_state.get_data_parallel_group()
             self.optimizer = self.ddp = None
             if self.trainable:
@@ -300,24 +301,42 @@ class MegatronEngine:
             for hf_name in param.hf_names
         }
 
+    def _stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's weights under their HF names: each parameter gathered over the TP ranks (with TP size 1,
+        views of the parameter)."""
+        params = dict(self.model.named_parameters())
+        for name, param in convert.exported(self.hf, self.layout).items():
+            shards = [params[name].detach()]
+            if self.layout.tp > 1:
+                shards = [torch.empty_like(shards[0]) for _ in range(self.layout.tp)]
+                torch.distributed.all_gather(shards, params[name].detach(), group=self.tp_group)
+            yield from zip(param.hf_names, convert.unshard(param, shards, self.hf), strict=True)
+
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights under their HF names, one Megatron parameter at a time, on every rank (a collective):
         the stage that holds it gathers it over its TP ranks, then sends it to the other stages (a broadcast
-        over the pipeline group). No rank holds more than one full parameter besides its own shards."""
-        params, shapes = dict(self.model.named_parameters()), hf_shapes(self.source_dir)
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        for stage, name, param in self._exports():
-            if stage == self.layout.pp_rank:
-                shard = params[name].detach()
-                shards = [torch.empty_like(shard) for _ in range(self.layout.tp)]
-                torch.distributed.all_gather(shards, shard.contiguous(), group=self.tp_group)
-                fulls = [t.to(self.dtype) for t in convert.unshard(param, shards, self.hf)]
-            else:
-                fulls = [torch.empty(shapes[n], dtype=self.dtype, device=self.device) for n in param.hf_names]
-            for hf_name, full in zip(param.hf_names, fulls, strict=True):
-                if self.layout.pp > 1:
-                    src = torch.distributed.get_global_rank(pp_group, stage)
-                    torch.distributed.broadcast(full, src=src, group=pp_group)
+        over the pipeline group). No rank holds more than one full parameter besides its own shards. With TP and
+        PP size 1 they are views of the parameters, made once: publication then costs the buckets' copies."""
+        if self.layout.tp == self.layout.pp == 1:
+            if self._views is None:
+                self._views = dict(self._stage_weights())
+            yield from self._views.items()
+        elif self.layout.pp == 1:
+            yield from self._stage_weights()
+        else:
+            yield from self._across_stages()
+
+    def _across_stages(self) -> Iterator[tuple[str, torch.Tensor]]:
+        pp_group, shapes = parallel_state.get_pipeline_model_parallel_group(), hf_shapes(self.source_dir)
+        mine = self._stage_weights()  # in the order _exports lists this stage's
+        for stage, _, param in self._exports():
+            for hf_name in param.hf_names:
+                if stage == self.layout.pp_rank:
+                    full = next(mine)[1].contiguous()
+                else:
+                    full = torch.empty(shapes[hf_name], dtype=self.dtype, device=self.device)
+                src = torch.distributed.get_global_rank(pp_group, stage)
+                torch.distributed.broadcast(full, src=src, group=pp_group)
                 yield hf_name, full
 
     def save_hf(self, path: str | Path) -> Path | None:
