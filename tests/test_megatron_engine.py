@@ -6,18 +6,19 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from areal_hpc.config import megatron_model_problems
+from areal_hpc.config import allocation_of, megatron_model_problems
 from areal_hpc.config.schema import MicroBatchSpec
-from areal_hpc.train import dist
+from areal_hpc.train import TrainerHandlers, dist
 from areal_hpc.train.backends.megatron import convert
 from areal_hpc.train.microbatch import micro_batches
-from tests.test_fsdp_engine import alone, model_config, nll, packed
+from tests.test_fsdp_engine import LENGTHS, alone, model_config, nll, packed
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tensor, pipeline)
 
@@ -123,3 +124,54 @@ def test_every_rank_gets_the_whole_model_and_save_hf_writes_it_for_transformers(
         torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0)
         for rank in ranks[1:]:  # the other TP rank, or the other pipeline stage
             torch.testing.assert_close(rank["weights"][name], tensor, atol=0, rtol=0)
+
+
+def _recover_rank(rank: int, layout: str, phase: str, cfg, folder: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_distributed(rank, 2, f"{out}/init-{phase}", backend="gloo", timeout_s=120)
+    handlers = TrainerHandlers(cfg, rank, 2)
+    try:
+        handlers.initialize({"total_train_steps": 4})
+        actor = handlers.engines["actor"]
+        spec = allocation_of(cfg).train_spec("actor_train")
+        part = np.array_split(np.arange(len(LENGTHS)), spec.data)[spec.coords(rank)[0]]
+        batch = packed([LENGTHS[i] for i in part])  # this rank's data-parallel replica's sequences
+
+        def step():
+            actor.train_minibatch(micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=16)), nll)
+
+        if phase == "save":
+            step()
+            handlers.recover_save({"dir": folder})
+            handlers.recover_wait(None)
+        else:
+            handlers.recover_load({"dir": folder})
+        weights = {name: t.clone() for name, t in actor.hf_weights()}
+        step()  # the same only if Adam's state and the master weights came back
+        after = {name: t.clone() for name, t in actor.hf_weights()}
+        torch.save({"weights": weights, "after": after}, f"{out}/{phase}{rank}.pt")
+        dist.barrier()
+    finally:
+        handlers.saver.close() if handlers.saver else None
+        dist.destroy()
+
+
+@pytest.mark.parametrize("layout", ["d1p1m2", "d2p1m1"])
+def test_a_recover_checkpoint_resumes_the_same_layout_bit_for_bit(toy, tmp_path, layout):
+    cfg = toy.config(
+        "megatron-recover", 4, "actor.backend=megatron", f"allocation_mode=builtin.d1p1m1+{layout}",
+        "cluster.n_nodes=1", "cluster.n_gpus_per_node=3", "actor.dtype=float32",
+        "actor.optimizer.warmup_steps_proportion=0",
+    )  # fmt: skip
+    folder = tmp_path / "ckpt"
+    for phase in ("save", "load"):
+        mp.spawn(_recover_rank, args=(layout, phase, cfg, str(folder), str(tmp_path)), nprocs=2)
+    files = list((folder / "shards").iterdir())
+    assert len(files) == 2  # a file of each rank
+    n_weights = sum(t.numel() for t in torch.load(tmp_path / "save0.pt")["weights"].values())
+    assert sum(f.stat().st_size for f in files) < 1.1 * n_weights * 4 * 3  # weights, Adam's moments: once
+    for rank in range(2):
+        saved, loaded = (torch.load(tmp_path / f"{phase}{rank}.pt") for phase in ("save", "load"))
+        for name, tensor in saved["weights"].items():
+            assert torch.equal(loaded["weights"][name], tensor), name
+            assert torch.equal(loaded["after"][name], saved["after"][name]), name

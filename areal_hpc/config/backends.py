@@ -18,19 +18,14 @@ class Backend:
     pipeline_parallel: bool = False
     optimizer_offload: bool = False  # optimizer state kept in CPU memory (optimizer.offload)
     value_model: bool = True  # can host the critic
-    recover: bool = True  # writes and loads recover checkpoints (recover_mode)
 
 
 TRAIN_BACKENDS = {
     "fsdp": Backend("areal_hpc.train.backends.fsdp", optimizer_offload=True),
     "torch": Backend("areal_hpc.train.backends.torch"),  # replicated: the baseline of bench_train
-    # Issue 13 in progress: no value model, no recover checkpoints, one layout for every MFC yet.
+    # Issue 13 in progress: no value model yet.
     "megatron": Backend(
-        "areal_hpc.train.backends.megatron",
-        tensor_parallel=True,
-        pipeline_parallel=True,
-        value_model=False,
-        recover=False,
+        "areal_hpc.train.backends.megatron", tensor_parallel=True, pipeline_parallel=True, value_model=False
     ),
 }
 GEN_BACKENDS = {

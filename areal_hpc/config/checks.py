@@ -86,11 +86,6 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             out.append(
                 f"'critic.backend' {model.backend!r} has no value model yet (give one of {', '.join(able)})"
             )
-        if not backend.recover and cfg.recover_mode != "disabled":
-            out.append(
-                f"'recover_mode' is {cfg.recover_mode!r}, but '{name}.backend' {model.backend!r} writes no recover "
-                "checkpoints yet: set recover_mode: disabled"
-            )
     for name in ("actor", "critic"):
         model = getattr(cfg, name)
         if model.optimizer.offload and not TRAIN_BACKENDS[model.backend].optimizer_offload:

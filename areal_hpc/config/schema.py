@@ -103,8 +103,7 @@ class ModelConfig:
         "fsdp",
         "Training backend of the trainer ranks (config/backends.py): fsdp shards weights, gradients and "
         "optimizer state over the data-parallel ranks; torch replicates them on every rank; megatron runs "
-        "megatron-core with the tensor and pipeline sizes of allocation_mode (no critic or recover "
-        "checkpoints yet).",
+        "megatron-core with the tensor and pipeline sizes of allocation_mode (no critic yet).",
         choices=tuple(TRAIN_BACKENDS),
     )
     dtype: str = opt("bfloat16", "Compute dtype.", choices=("bfloat16", "float16", "float32"))

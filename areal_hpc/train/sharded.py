@@ -1,8 +1,9 @@
 """One trainer rank's part of a sharded recover checkpoint, written in the background, with
 ``torch.distributed.checkpoint`` (DCP).
 
-- One copy in total: each rank writes the shards it holds (FSDP2 DTensors); a replicated plain tensor (an
-  optimizer ``step``) is written by rank 0 alone.
+- One copy in total: each rank writes the shards it holds (FSDP2 DTensors, and a ``RankLocal``'s tensors:
+  names of its own, such as a Megatron rank's); a replicated plain tensor (an optimizer ``step``) is written by
+  rank 0 alone.
 - Asynchronous: ``AsyncSave.save`` blocks only while the state is copied into CPU buffers made once
   (``reserve``, or the first save) and reused by every save after: a save costs one device-to-host copy
   (0.85 s for a 3B model's 37 GB on one H200; DCP's DefaultStager allocates afresh each time: 20 s). A
@@ -67,7 +68,15 @@ class AsyncSave:
     def reserve(self, state: dict) -> None:
         """Make the CPU buffers of `state` (as `save` takes it) now, so that no save pays for them; with a
         GPU they are page-locked, which touches every page (seconds for tens of GB)."""
-        self._reserve(_locals(_tensors(state)))
+        self._reserve(_locals(self._split(state)[1]))
+
+    def _split(self, state: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Every tensor of `state` by key, and those this rank writes: its shards, its ``RankLocal`` tensors
+        and, on rank 0, the replicated plain ones."""
+        owned: set[str] = set()
+        tensors = _tensors(state, owned=owned)
+        mine = {k: t for k, t in tensors.items() if isinstance(t, DTensor) or k in owned or self._rank == 0}
+        return tensors, mine
 
     def _reserve(self, locals_: dict[str, torch.Tensor]) -> None:
         self._map({k: t for k, t in locals_.items() if not self._fits(k, t)})
@@ -111,10 +120,9 @@ class AsyncSave:
         """
         if self.pending():
             raise RuntimeError("the previous checkpoint is still pending: call wait() before saving again")
-        tensors = _tensors(state)
-        mine = {k: t for k, t in tensors.items() if isinstance(t, DTensor) or self._rank == 0}
+        tensors, mine = self._split(state)
         items = create_default_local_save_plan(mine, self._rank == 0).items  # this rank's shards
-        locals_ = _locals(tensors)
+        locals_ = _locals(mine)  # staged: what this rank writes, no replica it leaves to rank 0
         self._reserve(locals_)
         self._stage(locals_)
         body = {"folder": str(folder), "items": items, "files": _file_numbers(tensors, self._world)}
@@ -205,15 +213,25 @@ def _check_cuda(error: Any) -> None:
         raise RuntimeError(f"page-locking a checkpoint buffer failed: CUDA error {int(error)}")
 
 
-def _tensors(state: Mapping, prefix: str = "") -> dict[str, torch.Tensor]:
-    """`state` flattened to {"a.b.c": tensor}, DCP's own key names; TypeError for a value that is not one."""
+class RankLocal(dict):
+    """Tensors this rank alone holds, under names no other rank uses (a Megatron rank's shards): this rank
+    writes them, where a plain tensor elsewhere is a replica that rank 0 alone writes."""
+
+
+def _tensors(
+    state: Mapping, prefix: str = "", owned: set[str] | None = None, local: bool = False
+) -> dict[str, torch.Tensor]:
+    """`state` flattened to {"a.b.c": tensor}, DCP's own key names; TypeError for a value that is not one.
+    The keys of tensors inside a ``RankLocal`` are added to ``owned``."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
-            out.update(_tensors(value, f"{name}."))
+            out.update(_tensors(value, f"{name}.", owned, local or isinstance(value, RankLocal)))
         elif isinstance(value, torch.Tensor):
             out[name] = value
+            if local and owned is not None:
+                owned.add(name)
         else:
             raise TypeError(
                 f"checkpoint entry {name!r} is a {type(value).__name__}, not a tensor: a sharded checkpoint "

@@ -7,7 +7,7 @@
 #SBATCH --output=/shared/runs/qwen3-1.7b-async/golden/slurm/%j_0_log.out
 #SBATCH --error=/shared/runs/qwen3-1.7b-async/golden/slurm/%j_0_log.err
 #SBATCH --open-mode=append
-#SBATCH --no-requeue
+#SBATCH --requeue
 #SBATCH --signal=B:USR2@120
 #SBATCH --comment=areal_hpc-0.0-golden
 #SBATCH --nodes=1
@@ -79,8 +79,36 @@ stop_steps() {  # TERM, then KILL whatever is left after the grace period
     forward KILL
 }
 
-fail() {  # recover_mode is disabled: a failed attempt ends the job
-    echo "areal-hpc: recover_mode is disabled: the job is not requeued" >&2
+# A failed attempt requeues the job (same job id) while recover_retries allow; the next run of this script
+# begins the next attempt, which resumes as recover_mode (auto) says. Failures are counted in the
+# run directory, not by SLURM_RESTART_COUNT, which also counts requeues that are no failure: preemption,
+# node failure, and an attempt that stopped on a notice (exit code 75).
+failures_file="$AREAL_RUN_DIR/logs/failed_attempts"
+fail() {
+    failures=$(cat "$failures_file" 2>/dev/null || echo 0)
+    if [ -n "$terminated" ]; then
+        echo "areal-hpc: the job was terminated (scancel, time limit or preemption): not requeued" >&2
+        exit "$1"
+    elif [ "$1" = 78 ] || grep -qs '"permanent":true' "$AREAL_RUN_DIR/status.json"; then
+        echo "areal-hpc: attempt $attempt failed in a way a new attempt would repeat (config, inputs, checkpoint):" \
+            "the job is not requeued; fix it, then: areal-hpc submit --recover $AREAL_RUN_DIR" >&2
+        exit "$1"
+    elif [ "$1" = 75 ]; then
+        echo "areal-hpc: attempt $attempt stopped on a preemption or time-limit notice after writing a recover" \
+            "checkpoint; requeueing job ${SLURM_JOB_ID} (not counted against recover_retries)" >&2
+    elif [ "$failures" -ge 10 ]; then
+        echo "areal-hpc: attempt $attempt failed and recover_retries (10) are used up" \
+            "($failures failed attempts): the job is not requeued" >&2
+        exit "$1"
+    else
+        echo "$((failures + 1))" > "$failures_file"
+        echo "areal-hpc: attempt $attempt failed; requeueing job ${SLURM_JOB_ID} in 10 s" \
+            "(failed attempt $((failures + 1)) of recover_retries 10)" >&2
+        sleep 10 & wait $!  # `wait`, unlike a plain sleep, lets the TERM trap run at once
+    fi
+    # Slurm then ends this script; sacct shows this run as REQUEUED, not FAILED, whatever it exits with.
+    [ -z "$terminated" ] && scontrol requeue "${SLURM_JOB_ID}" && exit 0
+    echo "areal-hpc: the job was not requeued (terminated meanwhile, or scontrol requeue failed)" >&2
     exit "$1"
 }
 

@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from areal_hpc.train.microbatch import EMPTY_MB, micro_batch_groups, seq_lengths
 from areal_hpc.train.models import DTYPES, compile_pointwise
 from areal_hpc.train.numerics import LossFn, lr_factor
 from areal_hpc.train.packed import packed_kwargs
+from areal_hpc.train.sharded import RankLocal
 
 
 def hf_reader(model_dir: Path):
@@ -347,11 +349,48 @@ class MegatronEngine:
 
     # --- recover state ----------------------------------------------------------------------------------
 
-    def state_dict(self):
-        raise NotImplementedError("recover checkpoints of the megatron backend: issue 13, point 4")
+    @property
+    def _tag(self) -> str:
+        """This rank's place in the layout, in the names of its checkpoint tensors: a checkpoint resumes onto
+        the layout that wrote it (another one finds none of its names)."""
+        lay = self.layout
+        return f"tp{lay.tp_rank}of{lay.tp}-pp{lay.pp_rank}of{lay.pp}"
 
-    def load_state_dict(self, state) -> None:
-        raise NotImplementedError("recover checkpoints of the megatron backend: issue 13, point 4")
+    def _adam_params(self) -> Iterator[tuple[str, torch.optim.Optimizer, torch.Tensor]]:
+        """This rank's float32 shards that Adam updates (inside Megatron's distributed optimizer), named."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        dp, n_dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        for i, inner in enumerate(o.optimizer for o in chained):
+            for g, group in enumerate(inner.param_groups):
+                for j, param in enumerate(group["params"]):
+                    yield f"{self._tag}-dp{dp}of{n_dp}/{i}.{g}.{j}", inner, param
+
+    def state_dict(self) -> dict[str, RankLocal]:
+        """This rank's own tensors (``RankLocal``): its weights (written by data-parallel rank 0: the replicas
+        are equal and load them from it), and its shards of the float32 master weights and Adam's state, made (zero) if no step has run yet so
+        that a load finds where to go."""
+        model = {f"{self._tag}/{n}": p.detach() for n, p in self.model.named_parameters()}
+        optimizer = {}
+        for name, inner, param in self._adam_params() if self.optimizer is not None else ():
+            if not inner.state.get(param):  # as torch's AdamW starts it: its first step is unchanged
+                inner.state[param] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(param),
+                    "exp_avg_sq": torch.zeros_like(param),
+                }
+            if self.dtype != torch.float32:  # else Adam updates shards of the weights themselves
+                optimizer[f"{name}.main"] = param.detach()
+            optimizer.update({f"{name}.{k}": v for k, v in inner.state[param].items()})
+        replica = parallel_state.get_data_parallel_rank() > 0  # loads them; data-parallel rank 0 writes them
+        return {"model": model if replica else RankLocal(model), "optimizer": RankLocal(optimizer)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy ``state`` (``state_dict``'s names) into this rank's tensors."""
+        with torch.no_grad():
+            for part, own in self.state_dict().items():
+                for name, tensor in own.items():
+                    if state[part][name] is not tensor:
+                        tensor.copy_(state[part][name])
 
     def schedule_state(self) -> dict:
         return {"steps_done": self.steps_done}
