@@ -165,3 +165,15 @@ def test_an_asynchronous_run_resumes_with_the_same_ledger_and_close_weights(toy)
     assert by_step[0] == by_step[1]
     expected, got = final_weights(straight), final_weights(run)
     assert all(torch.allclose(expected[k], got[k], atol=1e-5) for k in expected)
+
+
+def test_a_killed_tensor_parallel_megatron_trainer_resumes_from_its_recover_checkpoint(toy):
+    tp2 = ("allocation_mode=builtin.d1p1m1+d1p1m2", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3")
+    cfg = toy.config("kill-megatron", 4, *tp2, "actor.backend=megatron", "exp_ctrl.ckpt_freq_steps=1",
+                     "recover_after=0")  # fmt: skip
+    killer = kill_at_step(run_dir_of(cfg), "trainer1", 2)  # the TP peer of rank 0
+    assert run_local(cfg) == 0
+    killer.join()
+    run = run_dir_of(cfg)
+    assert "resumes from recover checkpoint" in (run.attempt_logs(1) / "controller.log").read_text()
+    assert_exactly_once(run, 4, 4)
