@@ -37,7 +37,7 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True)  # dynamic: the last chunk of every micro-batch is shorter
 
 
-def _kernel(fn: Callable, device: torch.device) -> Callable:
+def kernel(fn: Callable, device: torch.device) -> Callable:
     """``fn`` compiled on CUDA; eager elsewhere (the CPU tests, bit for bit the arithmetic of the pins)."""
     return _compiled(fn) if device.type == "cuda" else fn
 
@@ -63,7 +63,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ``(logp of labels, entropy, logsumexp)``, all float32 and of length T."""
     out = [torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) for _ in range(3)]
-    chunk_forward = _kernel(_chunk_forward, hidden.device)
+    chunk_forward = kernel(_chunk_forward, hidden.device)
     for c in _chunks(hidden.shape[0], chunk_tokens):
         for o, value in zip(out, chunk_forward(hidden[c], weight, labels[c], temperature), strict=True):
             o[c] = value
@@ -145,7 +145,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         )
         with torch.autocast(hidden.device.type, enabled=False):
-            chunk_dlogits = _kernel(_chunk_dlogits, hidden.device)
+            chunk_dlogits = kernel(_chunk_dlogits, hidden.device)
             for c in _chunks(hidden.shape[0], ctx.chunk_tokens):
                 h = hidden[c]
                 g_logp_c = None if g_logp is None else g_logp[c]

@@ -28,7 +28,6 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -39,7 +38,15 @@ from areal_hpc.data import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.megatron import convert
-from areal_hpc.train.backends.megatron.model import build_model, output_weight, transformer_config
+from areal_hpc.train.backends.megatron.model import (
+    PackedRope,
+    build_model,
+    head_dim,
+    output_weight,
+    rope_tables,
+    rope_theta,
+    transformer_config,
+)
 from areal_hpc.train.backends.megatron.parallel import init_parallel, on_device
 from areal_hpc.train.head import HEAD_CHUNK_TOKENS, vocab_parallel_logprobs
 from areal_hpc.train.microbatch import EMPTY_MB, micro_batch_groups, seq_lengths, to_torch, token_indices
@@ -73,13 +80,16 @@ def hf_shapes(model_dir: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def packed_params(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, PackedSeqParams]:
-    """The positions (restarting at 0 per sequence) and Megatron's description of a packed micro-batch."""
+def packed_params(cu_seqlens: torch.Tensor, hf: dict, dtype: torch.dtype) -> tuple[torch.Tensor, PackedRope]:
+    """The positions (restarting at 0 per sequence) and Megatron's description of a packed micro-batch, with
+    its rotary tables."""
     kw = packed_kwargs(cu_seqlens)
-    cu32, longest = kw["cu_seq_lens_q"], kw["max_length_q"]
-    return kw["position_ids"][0], PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=longest, max_seqlen_kv=longest
-    )
+    positions, cu32, longest = kw["position_ids"][0], kw["cu_seq_lens_q"], kw["max_length_q"]
+    cos, sin = rope_tables(positions, head_dim(hf), rope_theta(hf), dtype)
+    return positions, PackedRope(
+        qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=longest, max_seqlen_kv=longest,
+        cos=cos, sin=sin,
+    )  # fmt: skip
 
 
 def _finalize(model, num_tokens=None, **kwargs):
@@ -202,7 +212,7 @@ class MegatronEngine:
 
         def forward_step(data_iterator, net):
             mb = next(data_iterator)
-            positions, packed = packed_params(mb[CU])
+            positions, packed = packed_params(mb[CU], self.hf, self.dtype)
             hidden = net(mb["packed_input_ids"][None], positions[None], None, packed_seq_params=packed)
 
             def loss_func(last_hidden):
