@@ -175,3 +175,27 @@ def test_a_recover_checkpoint_resumes_the_same_layout_bit_for_bit(toy, tmp_path,
         for name, tensor in saved["weights"].items():
             assert torch.equal(loaded["weights"][name], tensor), name
             assert torch.equal(loaded["after"][name], saved["after"][name]), name
+
+
+def _checkpointing_rank(rank, model_dir, out):
+    dist.init_distributed(0, 1, f"{out}.init", backend="gloo", timeout_s=120)
+    try:
+        from areal_hpc.train.backends.megatron.engine import MegatronEngine
+
+        results = []
+        for recompute in (False, True):
+            engine = MegatronEngine(model_config(model_dir, gradient_checkpointing=recompute), 10)
+            step = engine.train_minibatch(micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=20)), nll)
+            logp = engine.logprobs(packed(), 1.0, MicroBatchSpec())
+            results.append((step, logp, engine.config.recompute_granularity))
+        torch.save(results, out)
+    finally:
+        dist.destroy()
+
+
+def test_gradient_checkpointing_changes_no_result(tiny_model_dir, tmp_path):
+    mp.spawn(_checkpointing_rank, args=(str(tiny_model_dir), str(tmp_path / "out")), nprocs=1)
+    (plain, plain_logp, off), (recomputed, recomputed_logp, on) = torch.load(tmp_path / "out")
+    assert (off, on) == (None, "full")  # Megatron's full recomputation of every layer
+    assert recomputed == plain
+    assert torch.equal(recomputed_logp, plain_logp)

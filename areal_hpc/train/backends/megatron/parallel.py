@@ -5,7 +5,8 @@ the trainer rank that allocation places at (dp, tp, pp) is Megatron's rank of th
 
 Without CUDA (the test suite's CPU ranks on gloo), megatron-core's hard-coded CUDA device means the CPU while
 the engine runs (``on_device``): tensors it makes on "cuda" are made on the CPU, ``Tensor.cuda()`` leaves a
-tensor where it is, ``torch.cuda.current_device()`` answers "cpu". That is the whole substitute of the CPU
+tensor where it is, ``torch.cuda.current_device()`` answers "cpu", ``synchronize()`` returns and
+``get_rng_state()`` gives the CPU generator's state (for recomputation). That is the whole substitute of the CPU
 path: the model, Megatron's DDP, distributed optimizer and schedules are megatron-core's own. With CUDA
 nothing is changed.
 """
@@ -47,6 +48,8 @@ def on_device() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     torch.cuda.current_device = lambda: "cpu"  # not torch functions: no mode sees them
     torch.cuda.synchronize = lambda device=None: None
+    # Recomputation saves the generator's state for dropout (0 here); setting it back is queued, never run.
+    torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
     return _CudaMeansCpu()
 
 
