@@ -74,6 +74,8 @@ def _rank_main(rank, world, tp, pp, model_dir, out):
         engine = MegatronEngine(model_config(model_dir), total_train_steps=10, tensor=tp, pipeline=pp)
         batch = packed()
         before = engine.logprobs(batch, 1.0, MicroBatchSpec(max_tokens_per_mb=16))
+        for _ in engine.hf_weights():  # a publication before the step: the one after must see the step
+            pass
         step = engine.train_minibatch(micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20)), nll)
         after = engine.logprobs(batch, 0.7, MicroBatchSpec(max_tokens_per_mb=16))
         weights = dict(engine.hf_weights())

@@ -328,15 +328,27 @@ class MegatronEngine:
         """The full weights under their HF names, one Megatron parameter at a time, on every rank (a collective):
         the stage that holds it gathers it over its TP ranks, then sends it to the other stages (a broadcast
         over the pipeline group). No rank holds more than one full parameter besides its own shards. With TP and
-        PP size 1 they are views of the parameters, made once: publication then costs the buckets' copies."""
+        PP size 1 they are views of the parameters (``_one_rank_weights``): publication then costs the buckets'
+        copies."""
         if self.layout.tp == self.layout.pp == 1:
-            if self._views is None:
-                self._views = dict(self._stage_weights())
-            yield from self._views.items()
+            yield from self._one_rank_weights()
         elif self.layout.pp == 1:
             yield from self._stage_weights()
         else:
             yield from self._across_stages()
+
+    def _one_rank_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """TP and PP size 1: views of the parameters, made once; q, k and v, which no view can hold (a KV
+        group's rows sit between them), are split from the fused parameter each time."""
+        if self._views is None:
+            params = dict(self.model.named_parameters())
+            self._views = []
+            for name, param in convert.exported(self.hf, self.layout).items():
+                tensor = params[name].detach()
+                views = None if param.kind == "qkv" else convert.unshard(param, [tensor], self.hf)
+                self._views.append((param, tensor, views))
+        for param, tensor, views in self._views:
+            yield from zip(param.hf_names, views or convert.unshard(param, [tensor], self.hf), strict=True)
 
     def _across_stages(self) -> Iterator[tuple[str, torch.Tensor]]:
         pp_group, shapes = parallel_state.get_pipeline_model_parallel_group(), hf_shapes(self.source_dir)
