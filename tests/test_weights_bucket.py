@@ -7,6 +7,7 @@ import torch
 
 from areal_hpc.weights.bucket import (
     FieldError,
+    Stager,
     TensorMeta,
     bucket_fields,
     empty_buffer,
@@ -78,6 +79,20 @@ def test_flatten_casts_to_the_sent_dtype_and_the_receiver_buffer_matches():
     assert buffer.shape == flat.shape and buffer.dtype == flat.dtype
     buffer.copy_(flat)
     assert torch.equal(dict(unflatten(buffer, metas))["a"], weights["a"].bfloat16())
+
+
+def test_the_stager_flattens_as_flatten_does_into_one_buffer_reused_by_every_bucket():
+    weights = named(("a", (5, 2), torch.float32), ("b", (3,), torch.bfloat16), ("c", (4, 4), torch.bfloat16))
+    buckets = plan_buckets([tensor_meta(n, t, torch.bfloat16) for n, t in weights.items()], bucket_bytes=32)
+    assert [[m.name for m in b] for b in buckets] == [["a", "b"], ["c"]]
+    stager = Stager(buckets)
+    for scale in (1.0, -2.0):  # a second publication: the same places, the new values (of two dtypes)
+        flat = stager.flat(0, [weights["a"] * scale, weights["b"] * scale])
+        assert torch.equal(flat, flatten([weights["a"] * scale, weights["b"] * scale], torch.bfloat16))
+    assert stager.flat(1, [weights["c"]]).data_ptr() == weights["c"].data_ptr()  # sent as it is
+    sliced = weights["c"][:, :2]  # not contiguous: staged
+    buckets = plan_buckets([tensor_meta("s", sliced)], bucket_bytes=32)
+    assert torch.equal(Stager(buckets).flat(0, [sliced]), sliced.flatten())
 
 
 def test_mixed_dtypes_or_a_short_buffer_are_refused():

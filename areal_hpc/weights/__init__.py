@@ -1,6 +1,6 @@
 """Weight publication from the trainer to the generation servers.
 
-bucket     the bucket plan, flatten and unflatten (pure)
+bucket     the bucket plan, flatten and unflatten (pure), the sender's reused staging buffer (Stager)
 group      the process group of trainer rank 0 and the servers (SGLang's weight-update group)
 sender     trainer rank 0's end
 receiver   a server's end

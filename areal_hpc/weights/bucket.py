@@ -104,6 +104,47 @@ def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -
     return out
 
 
+class Stager:
+    """Flattens the buckets of one plan for sending, as ``flatten`` does, into one buffer per dtype and device as
+    long as the largest bucket, reused by every bucket of every publication, with each bucket's places in it
+    made once: a bucket costs one foreach copy per dtype of its tensors (no allocation, no view per tensor;
+    the Python work per tensor, not the copy, was most of a publication's gathering and bucketing). A bucket of one contiguous tensor in
+    its dtype is sent as it is. A staged buffer holds its bucket until the next one is staged."""
+
+    def __init__(self, buckets: Sequence[Sequence[TensorMeta]]):
+        self.buckets = buckets
+        self._places: dict[int, list[torch.Tensor]] = {}
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def flat(self, index: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Bucket ``index`` of the plan holding ``tensors`` (its tensors, in bucket order), flat."""
+        bucket = self.buckets[index]
+        dtype = to_dtype(bucket[0].dtype)
+        if len(tensors) == 1 and tensors[0].dtype == dtype and tensors[0].is_contiguous():
+            return tensors[0].detach().view(-1)
+        device = tensors[0].device
+        places = self._places.get(index)
+        if places is None or places[0].device != device:
+            numels = [m.numel for m in bucket]
+            parts = self._buffer(bucket[0].dtype, device)[: sum(numels)].split(numels)
+            places = self._places[index] = [p.view(m.shape) for p, m in zip(parts, bucket, strict=True)]
+        by_dtype: dict[torch.dtype, tuple[list, list]] = {}  # a foreach copy of mixed dtypes copies one by one
+        for place, tensor in zip(places, tensors, strict=True):
+            dst, src = by_dtype.setdefault(tensor.dtype, ([], []))
+            dst.append(place)
+            src.append(tensor)
+        with torch.no_grad():
+            for dst, src in by_dtype.values():
+                torch._foreach_copy_(dst, src)
+        return self._buffers[bucket[0].dtype, device][: sum(p.numel() for p in places)]
+
+    def _buffer(self, dtype: str, device: torch.device) -> torch.Tensor:
+        if (dtype, device) not in self._buffers:
+            longest = max(sum(m.numel for m in b) for b in self.buckets if b[0].dtype == dtype)
+            self._buffers[dtype, device] = torch.empty(longest, dtype=to_dtype(dtype), device=device)
+        return self._buffers[dtype, device]
+
+
 def empty_buffer(bucket: Sequence[TensorMeta], device: torch.device | str = "cpu") -> torch.Tensor:
     """An uninitialised buffer of the size and dtype of ``bucket``, to receive it into."""
     dtypes = {m.dtype for m in bucket}

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from areal_hpc.weights.bucket import TensorMeta, bucket_fields, flatten, plan_buckets, tensor_meta, to_dtype
+from areal_hpc.weights.bucket import Stager, TensorMeta, bucket_fields, plan_buckets, tensor_meta
 from areal_hpc.weights.group import WeightGroup, host_store
 
 log = logging.getLogger(__name__)
@@ -34,12 +34,15 @@ def send_buckets(
     group: WeightGroup,
     weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     buckets: list[list[TensorMeta]],
+    stager: Stager | None = None,
 ) -> int:
-    """Broadcast each bucket of ``weights`` as one flat buffer; returns the bytes sent.
+    """Broadcast each bucket of ``weights`` as one flat buffer (staged by ``stager``, made for ``buckets``;
+    keep one across publications); returns the bytes sent.
 
     ``weights`` may be a stream of ``(name, tensor)`` (a sharded engine gathers each as it comes): a bucket is
     sent as soon as its last tensor arrived, so in plan order only one bucket's tensors are held at a time.
     """
+    stager = stager or Stager(buckets)
     stream = weights.items() if isinstance(weights, Mapping) else weights
     bucket_of = {m.name: i for i, b in enumerate(buckets) for m in b}
     held: dict[str, torch.Tensor] = {}
@@ -51,7 +54,7 @@ def send_buckets(
             held[name] = tensor
         while next_bucket < len(buckets) and waiting[next_bucket] == 0:
             bucket = buckets[next_bucket]
-            flat = flatten([held.pop(m.name) for m in bucket], to_dtype(bucket[0].dtype))
+            flat = stager.flat(next_bucket, [held.pop(m.name) for m in bucket])
             what = f"bucket {next_bucket + 1}/{len(buckets)} ({len(bucket)} tensors, {flat.nbytes} bytes)"
             group.broadcast(flat, what)
             total += flat.nbytes
@@ -71,6 +74,7 @@ class WeightSender:
         self.store = None
         self.group: WeightGroup | None = None
         self.buckets: list[list[TensorMeta]] = []
+        self.stager: Stager | None = None
         self.name, self.timeout_s = "", 300.0
 
     def open(self, name: str, timeout_s: float, port: int = 0) -> int:
@@ -92,6 +96,7 @@ class WeightSender:
         if self.store is None:
             raise RuntimeError("open the weight group's store first (request weight_group_store)")
         self.buckets = plan_buckets(weight_metas(weights, dtype), bucket_bytes)
+        self.stager = Stager(self.buckets)
         self.group = WeightGroup(self.store, self.name, 0, world_size, backend, self.timeout_s)
         log.info("%s: joined; %d buckets", self.group, len(self.buckets))
         return self.buckets
@@ -102,14 +107,14 @@ class WeightSender:
             raise RuntimeError("the weight group is not set up (request init_weight_group first)")
         start = time.monotonic()
         with torch.no_grad():
-            sent = send_buckets(self.group, weights, self.buckets)
+            sent = send_buckets(self.group, weights, self.buckets, self.stager)
         return {"bytes": sent, "buckets": len(self.buckets), "secs": time.monotonic() - start}
 
     def close(self) -> None:
         """Leave the group and stop serving its store."""
         if self.group is not None:
             self.group.destroy()
-        self.group, self.store, self.buckets = None, None, []
+        self.group, self.store, self.buckets, self.stager = None, None, [], None
 
 
 def plan_payload(buckets: list[list[TensorMeta]]) -> list[dict]:

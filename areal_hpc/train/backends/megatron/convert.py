@@ -107,11 +107,14 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> 
 
 
 def split_qkv(fused: torch.Tensor, groups: int, n_heads: int) -> tuple[torch.Tensor, ...]:
-    """The inverse of ``fuse_qkv``: ``(q, k, v)``."""
+    """The inverse of ``fuse_qkv``: ``(q, k, v)``, views of one new tensor filled by one foreach copy (no view
+    of ``fused`` holds q: each group's k and v rows sit between two groups' q rows)."""
     per_group = fused.reshape(groups, -1, *fused.shape[1:])
     head = per_group.shape[1] // (n_heads // groups + 2)
-    q, k, v = per_group.split([per_group.shape[1] - 2 * head, head, head], dim=1)
-    return tuple(x.reshape(-1, *fused.shape[1:]) for x in (q, k, v))
+    parts = per_group.split([per_group.shape[1] - 2 * head, head, head], dim=1)
+    out = torch.empty_like(fused).split([groups * p.shape[1] for p in parts])
+    torch._foreach_copy_([o.view(p.shape) for o, p in zip(out, parts, strict=True)], list(parts))
+    return out
 
 
 def shard(param: Param, tensors: Sequence[torch.Tensor], hf: dict[str, Any], layout: Layout) -> torch.Tensor:
