@@ -70,6 +70,10 @@ class ParallelSpec:
         dp_rank, tp_rank = divmod(rest, self.tensor)
         return dp_rank, tp_rank, pp_rank
 
+    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
+        """The index of the GPU at these coordinates (the inverse of `coords`)."""
+        return (pp_rank * self.data + dp_rank) * self.tensor + tp_rank
+
 
 def _parse_spec(spec: str) -> ParallelSpec:
     """ParallelSpec of `d4m2p1`-like text; errors name the spec but not the whole allocation_mode."""

@@ -170,6 +170,11 @@ def test_gpu_map_tensor_is_fastest_then_data_then_pipe():
     assert coords == [(p, d, t) for p in range(2) for d in range(2) for t in range(2)]
 
 
+def test_rank_of_inverts_coords():
+    spec = ParallelSpec(data=3, tensor=2, pipeline=4)
+    assert [spec.rank_of(*spec.coords(i)) for i in range(spec.world_size)] == list(range(spec.world_size))
+
+
 def test_gpu_map_node_and_local_gpu_and_servers_within_nodes():
     alloc = resolve_allocation("sglang.d4p1m4+d16p1m1", 4, 8)
     ranks = alloc.gpu_map()

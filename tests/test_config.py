@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.cli import DOCS_PATH, main
-from areal_hpc.config import ConfigError, ExperimentConfig, dump_yaml, load_config
+from areal_hpc.config import ConfigError, ExperimentConfig, dump_yaml, load_config, mfc_spec
 from areal_hpc.config.checks import validate, walk
 from areal_hpc.config.docs import render_markdown
 
@@ -165,8 +165,8 @@ def test_malformed_override_and_yaml(tmp_path):
             "'critic.backend' 'megatron' has no value model yet (give one of fsdp, torch)",
         ),
         (
-            ["actor.backend=megatron", "allocation_mode=builtin.d4p1m1+actor_train:d2p1m2,*:d4p1m1"],
-            "per-MFC layouts that differ",
+            ["actor.backend=megatron", "allocation_mode=builtin.d4p1m1+actor_train:d2p1m2"],
+            "no layout for MFC 'actor_inf'; give it one",
         ),
         (
             ["actor.backend=torch", "actor.optimizer.offload=true"],
@@ -186,13 +186,25 @@ def test_a_model_megatron_cannot_split_is_refused_with_its_config_file(tiny_mode
             overrides=[
                 f"actor.path={tiny_model_dir}",
                 "actor.backend=megatron",
-                "ref.backend=megatron",
-                "allocation_mode=builtin.d4p1m1+d1p4m1",
+                "allocation_mode=builtin.d4p1m1+actor_inf:d1p4m1,*:d4p1m1",  # the actor's copy's layout
             ]
         )
     assert f"'actor.path' ({tiny_model_dir / 'config.json'}): 2 layers do not split evenly into 4" in str(
         err.value
     )
+
+
+def test_megatron_takes_per_mfc_layouts_that_differ(tiny_model_dir):
+    cfg = load_config(
+        overrides=[
+            f"actor.path={tiny_model_dir}",
+            "actor.backend=megatron",
+            "allocation_mode=builtin.d4p1m1+actor_train:d2p1m2,actor_inf:d4p1m1",
+            "ppo.kl_ctl=0",  # no reference model: no ref_inf to place
+            "param_realloc_mode=disk",
+        ]
+    )
+    assert (mfc_spec(cfg, "actor_train").tensor, mfc_spec(cfg, "actor_inf").data) == (2, 4)
 
 
 def test_all_problems_are_reported_at_once():

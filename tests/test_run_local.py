@@ -134,14 +134,17 @@ def test_a_failure_every_attempt_would_repeat_ends_the_run_at_once(toy, capsys):
     assert get_status(run).permanent and not run.attempt_logs(1).exists()
 
 
-def test_grpo_steps_with_the_actor_on_megatron_tensor_parallel_over_two_trainer_ranks(toy):
-    tp2 = ("allocation_mode=builtin.d1p1m1+d1p1m2", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3")
-    cfg = toy.config("megatron-tp2", 2, *tp2, "actor.backend=megatron", "recover_mode=disabled")
+def test_grpo_steps_with_the_actor_trained_on_two_pipeline_stages_and_recomputed_on_a_tp2_copy(toy):
+    layouts = "allocation_mode=builtin.d1p1m1+actor_train:d1p2m1,actor_inf:d1p1m2"
+    cfg = toy.config("megatron-pp2", 2, layouts, "cluster.n_nodes=1", "cluster.n_gpus_per_node=3",
+                     "actor.backend=megatron", "param_realloc_mode=disk", "recover_mode=disabled")  # fmt: skip
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
     steps = [r for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    # One data-parallel replica of two TP ranks: its samples counted once, not once per rank.
+    # One data-parallel replica of two stages: its samples counted once; its losses are the last stage's.
     assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in steps)
+    # The copy's proximal logprobs are the trained weights': it moved to them after step 1.
+    assert "timeperf/param_realloc" in steps[1] and "timeperf/param_realloc" not in steps[0]
     assert all(r["ppo_actor/importance_weight/avg"] == pytest.approx(1.0, abs=1e-3) for r in steps)
     assert (run.root / "checkpoints/actor/epoch0epochstep2globalstep2/model.safetensors").is_file()

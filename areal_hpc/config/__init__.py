@@ -8,7 +8,7 @@ docs      docs/config.md and `areal-hpc config options`, rendered from the schem
 """
 
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend, megatron_model_problems
-from areal_hpc.config.checks import allocation_of, trainer_models
+from areal_hpc.config.checks import MFCS_OF, allocation_of, mfc_spec, trainer_models
 from areal_hpc.config.docs import render_markdown, render_options
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
 from areal_hpc.config.schema import (
@@ -26,6 +26,7 @@ from areal_hpc.config.schema import (
 
 __all__ = [
     "GEN_BACKENDS",
+    "MFCS_OF",
     "TRAIN_BACKENDS",
     "megatron_model_problems",
     "Backend",
@@ -42,6 +43,7 @@ __all__ = [
     "allocation_of",
     "dump_yaml",
     "load_config",
+    "mfc_spec",
     "render_markdown",
     "render_options",
     "to_dict",

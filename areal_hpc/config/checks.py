@@ -121,17 +121,13 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
             f"'allocation_mode': generation backend {mode.gen_backend!r} has no tensor parallelism: its 3D spec "
             f"needs m1, not {mode.gen.format()}"
         )
-    for key, spec in mode.train:
-        out += _parallel_problems(cfg, key, spec)
-    if len({spec for _, spec in mode.train}) > 1:
-        out.append(
-            f"'allocation_mode': per-MFC layouts that differ ({cfg.allocation_mode!r}) need parameter "
-            "reallocation, which no training backend has yet: give every MFC the same layout"
-        )
+    out += _parallel_problems(cfg, mode)
     if out:
         return out
     try:
         allocation = alloc.resolve_allocation(mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+        for mfc in (mfc for name in trainer_models(cfg) for mfc in MFCS_OF[name]):
+            allocation.train_spec(mfc)  # every call of a trainer model has a layout
         hf = _hf_config(cfg.actor.path)
         if hf is not None and "num_attention_heads" in hf:
             heads = hf["num_attention_heads"]
@@ -139,23 +135,39 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
         alloc.check_pipeline_batch(allocation, cfg.dataset.train_bs_n_seqs * cfg.group_size)
     except alloc.AllocationError as e:
         return [f"'allocation_mode': {e}"]
-    return _megatron_model_problems(cfg, allocation.train_spec("actor_train"))
+    return _megatron_model_problems(cfg, allocation)
 
 
-def _megatron_model_problems(cfg: ExperimentConfig, spec: alloc.ParallelSpec) -> list[str]:
-    """What keeps each model on the megatron backend from being built at the layout's TP and PP sizes."""
+def _megatron_model_problems(cfg: ExperimentConfig, allocation: alloc.Allocation) -> list[str]:
+    """What keeps each model on the megatron backend from being built at the TP and PP sizes of its calls."""
     out = []
     for name, model in trainer_models(cfg).items():
         hf = _hf_config(model.path) if model.backend == "megatron" else None
-        if hf is not None:
-            where = f"'{name}.path' ({Path(model.path) / 'config.json'})"
+        if hf is None:
+            continue
+        where = f"'{name}.path' ({Path(model.path) / 'config.json'})"
+        for spec in dict.fromkeys(allocation.train_spec(mfc) for mfc in MFCS_OF[name]):
             out += [f"{where}: {p}" for p in megatron_model_problems(hf, spec.tensor, spec.pipeline)]
-    return out
+    return list(dict.fromkeys(out))  # a problem of several layouts once
 
 
 def allocation_of(cfg: ExperimentConfig) -> alloc.Allocation:
     """The allocation of a validated config on its cluster."""
     return alloc.resolve_allocation(cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+
+
+def mfc_spec(cfg: ExperimentConfig, mfc: str) -> alloc.ParallelSpec:
+    """The parallel sizes a trainer call runs at (sft_train: actor_train's)."""
+    return allocation_of(cfg).train_spec("actor_train" if mfc == "sft_train" else mfc)
+
+
+# The trainer calls of each model, its home first: the layout it is loaded on and trains on. A call on another
+# layout runs on a copy of the model there, which parameter reallocation keeps up to date.
+MFCS_OF = {
+    "actor": ("actor_train", "actor_inf"),
+    "critic": ("critic_train", "critic_inf"),
+    "ref": ("ref_inf",),
+}
 
 
 def trainer_models(cfg: ExperimentConfig) -> dict[str, ModelConfig]:
@@ -169,22 +181,27 @@ def trainer_models(cfg: ExperimentConfig) -> dict[str, ModelConfig]:
     return models
 
 
-def _parallel_problems(cfg: ExperimentConfig, key: str, spec: alloc.ParallelSpec) -> list[str]:
-    """A training layout's tensor and pipeline sizes against the backends of the models it runs."""
-    out = []
-    layout = "the training layout" if key == alloc.DEFAULT_KEY else f"the layout of {key}"
-    for model, model_cfg in trainer_models(cfg).items():
-        name = model_cfg.backend
-        backend = TRAIN_BACKENDS[name]
-        for size, axis, able in (
-            (spec.tensor, "tensor", backend.tensor_parallel),
-            (spec.pipeline, "pipeline", backend.pipeline_parallel),
-        ):
-            if size > 1 and not able:
-                out.append(
-                    f"'allocation_mode': {layout} {spec.format()} has {axis} size {size}, but {model}.backend "
-                    f"{name!r} has no {axis} parallelism (it trains data parallel: give d{spec.world_size}p1m1)"
-                )
+def _parallel_problems(cfg: ExperimentConfig, mode: alloc.AllocationMode) -> list[str]:
+    """Each training layout's tensor and pipeline sizes against the backends of the models whose calls run on
+    it (`*`: the calls not listed)."""
+    out, listed = [], {key for key, _ in mode.train}
+    for key, spec in mode.train:
+        layout = "the training layout" if key == alloc.DEFAULT_KEY else f"the layout of {key}"
+        for model, model_cfg in trainer_models(cfg).items():
+            calls = set(MFCS_OF[model])
+            if key not in calls and not (key == alloc.DEFAULT_KEY and calls - listed):
+                continue
+            name = model_cfg.backend
+            backend = TRAIN_BACKENDS[name]
+            for size, axis, able in (
+                (spec.tensor, "tensor", backend.tensor_parallel),
+                (spec.pipeline, "pipeline", backend.pipeline_parallel),
+            ):
+                if size > 1 and not able:
+                    out.append(
+                        f"'allocation_mode': {layout} {spec.format()} has {axis} size {size}, but {model}.backend "
+                        f"{name!r} has no {axis} parallelism (it trains data parallel: give d{spec.world_size}p1m1)"
+                    )
     return out
 
 

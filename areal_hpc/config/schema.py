@@ -247,6 +247,14 @@ class ExperimentConfig:
         "saves a safetensors snapshot with a manifest in the run directory; each server loads it).",
         choices=("broadcast", "disk"),
     )
+    param_realloc_mode: str = opt(
+        "broadcast",
+        "How a model's weights reach its copy on another per-MFC layout (allocation_mode "
+        "'actor_train:d2p1m2,actor_inf:d4p1m1') after it trains: broadcast (every trainer rank takes its shards "
+        "of the full tensors, gathered over the trainers' process group) or disk (an HF snapshot in the run "
+        "directory, saved by the training layout and loaded by the copy).",
+        choices=("broadcast", "disk"),
+    )
     weight_update_timeout_secs: float = opt(
         300.0,
         "Longest wait of one weight update (group setup, a broadcast, a server's load); past it the run fails "

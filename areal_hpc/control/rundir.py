@@ -125,6 +125,11 @@ class RunDir:
         """The HF snapshot of weight version `version` (weight_update_mode disk)."""
         return self.weights / f"v{version}"
 
+    def realloc_snapshot(self, model: str) -> Path:
+        """The HF snapshot a model's weights move through to its copy on another layout (param_realloc_mode
+        disk), overwritten at each move."""
+        return self.weights / f"realloc-{model}"
+
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from areal_hpc.config import ExperimentConfig, allocation_of
+from areal_hpc.config import ExperimentConfig, mfc_spec
 from areal_hpc.control import RunDir, fsio
 from areal_hpc.data import PromptDataset, read_batch, read_keys
 from areal_hpc.master.buffer import Buffer, SampleMeta
@@ -67,7 +67,7 @@ class Master:
     ):
         train, heldout = data
         self.cfg, self.rundir, self.graph, self.trainers = cfg, run, graph, trainers
-        self.layout = allocation_of(cfg).train_spec("actor_train")  # the trainer ranks' layout, every MFC's
+        self.layouts = {mfc.name: mfc_spec(cfg, mfc.name) for mfc in graph}  # the trainer ranks' per call
         self.rl = cfg.experiment_type == "ppo"
         self.guard = StepGuard()
         if not self.rl:
@@ -94,7 +94,11 @@ class Master:
         c = self.counter
         logger.info("Training %d steps (%d epochs of %d steps), graph %s", c.total_steps, c.total_epochs,
                     c.steps_per_epoch, [m.name for m in self.graph])  # fmt: skip
-        self.trainers.call_all("initialize", {"total_train_steps": c.total_steps})
+        self.trainers.call_all("initialize", {
+            "total_train_steps": c.total_steps,
+            "mfcs": {mfc.name: mfc.model for mfc in self.graph},
+            "realloc_snapshots": {mfc.model: str(self.rundir.realloc_snapshot(mfc.model)) for mfc in self.graph},
+        })  # fmt: skip
         self.start(resume_from, attempt)
         with self.guard.checkpoint_on_term(self.checkpoint_and_stop):
             if self.rl and c.global_step == 0:
@@ -158,12 +162,14 @@ class Master:
         samples = buffer.ready(mfc.name, n_samples)
         if samples is None:
             raise RuntimeError(f"{mfc.name}: fewer than {n_samples} samples have its inputs {mfc.inputs}")
-        # A part per data-parallel replica; its first rank (TP and PP rank 0) writes the outputs.
-        parts = split_by_rank(samples, self.layout.data)
+        # A part per data-parallel replica of the call's layout; its first rank (TP and PP rank 0) writes the
+        # outputs.
+        layout = self.layouts[mfc.name]
+        parts = split_by_rank(samples, layout.data)
         keys = [k for k in mfc.inputs if k in samples[0].keys]
         payloads, written = [], []
         for rank in range(self.trainers.n_ranks):
-            dp, tp, pp = self.layout.coords(rank)
+            dp, tp, pp = layout.coords(rank)
             out = str(self.rundir.step_data(step) / f"{mfc.name}.r{rank}.h5") if tp == pp == 0 else None
             refs = refs_payload(parts[dp], keys)  # global_step: for head/tail off-policyness
             payloads.append({"mfc": mfc.name, "refs": refs, "out": out, "global_step": step})
@@ -173,7 +179,8 @@ class Master:
         for part, out in written:
             buffer.amend([s.sample_id for s in part], out, mfc.outputs)
         buffer.consume(mfc.name, [s.sample_id for s in samples])
-        stats = dict(results[0].get("stats", {})) if mfc.kind == "train_step" else {}
+        # A train step's statistics (the losses are the last pipeline stage's), a reallocation's seconds.
+        stats = dict(results[layout.rank_of(0, 0, layout.pipeline - 1)].get("stats", {}))
         stats[f"timeperf/{mfc.name}"] = time.monotonic() - start
         return stats
 

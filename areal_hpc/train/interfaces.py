@@ -253,6 +253,8 @@ def sft_train_step(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -
 
     _train_minibatches(engine, data, 1, mb_spec, make_loss_fn, tracker)
     stats = tracker.reduce(group=engine.dp_group)
+    if "nll" not in stats:  # a pipeline stage before the last computes no loss (the master reads the last's)
+        return {}
     loss = stats["nll"] / max(stats["n_tokens"], 1.0)
     return {
         "sft/loss": loss,

@@ -5,6 +5,10 @@ then the blocking `initialize`, `inference`, `train_step`, `save`, run at each `
 batch files holding this rank's samples (`refs`, read with `data.batch.gather`) and, for inference, the file
 to write the outputs to.
 
+Each model lives on the layout of its home call (`config.MFCS_OF`: the actor on actor_train's). A call of the
+graph on another per-MFC layout runs on a copy of the model there, inference only; after the model trains, the
+copy's weights are brought up to date before its next call (parameter reallocation, `param_realloc_mode`).
+
 Weight publication over a broadcast group (`areal_hpc.weights`), answered on arrival: `weight_group_store`
 (serve the group's store; reply its address), `init_weight_group` (join as rank 0 once every server joins;
 reply the bucket plan) and `destroy_weight_group`, asked of rank 0 alone; `broadcast_weights`, asked of every
@@ -18,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_hpc.config import ExperimentConfig, allocation_of, trainer_models
+from areal_hpc.config import MFCS_OF, ExperimentConfig, mfc_spec, trainer_models
 from areal_hpc.control import RunContext, WorkerServer, fsio, task_name
 from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
@@ -40,6 +44,9 @@ class TrainerHandlers:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.host = host  # where the servers reach this rank's weight-group store
         self.engines: dict[str, TrainEngine] = {}
+        self.copies: dict[str, tuple[str, TrainEngine]] = {}  # MFC -> (model, its copy on the MFC's layout)
+        self._stale: set[str] = set()  # the MFCs whose copy is behind its model
+        self._snapshots: dict[str, str] = {}  # model -> its HF snapshot folder (param_realloc_mode disk)
         self.weight_sender = WeightSender()
         self.saver: AsyncSave | None = None  # made by the first recover_save or _reserve
         self._reserved: set[str] = set()  # models whose checkpoint buffers are made
@@ -48,33 +55,66 @@ class TrainerHandlers:
         return {"rank": self.rank, "world_size": self.world_size, "initialized": bool(self.engines)}
 
     def initialize(self, payload: dict) -> dict:
-        """Load the models the graph needs; the actor trains for `total_train_steps` optimizer steps."""
+        """Load the models the graph needs, each on its home layout; the actor trains for `total_train_steps`
+        optimizer steps. The graph's calls (`mfcs`: MFC -> model) on another layout get a copy of their model
+        there; `realloc_snapshots` (model -> folder) say where a model's weights move to its copies through the
+        disk (`param_realloc_mode` disk)."""
         cfg = self.cfg
         n_minibatches = 1 if cfg.experiment_type == "sft" else cfg.ppo.ppo_n_minibatches
         total = payload["total_train_steps"] * n_minibatches
-        spec = allocation_of(cfg).train_spec("actor_train")  # every model of the trainer on its layout
-        for name, model_cfg in trainer_models(cfg).items():  # the reference policy does not train
+        models = trainer_models(cfg)
+        for name, model_cfg in models.items():  # the reference policy does not train
             steps = None if name == "ref" else total
+            spec = mfc_spec(cfg, MFCS_OF[name][0])
             self.engines[name] = make_engine(model_cfg, steps, cfg.seed, critic=name == "critic", spec=spec)
-        logger.info("rank %d/%d loaded %s", self.rank, self.world_size, sorted(self.engines))
-        return {"models": sorted(self.engines)}
+        for mfc, name in payload.get("mfcs", {}).items():
+            spec = mfc_spec(cfg, mfc)
+            if name in models and spec != mfc_spec(cfg, MFCS_OF[name][0]):
+                self.copies[mfc] = name, make_engine(models[name], None, cfg.seed, spec=spec)
+        self._snapshots = payload.get("realloc_snapshots", {})
+        logger.info("rank %d/%d loaded %s, copies for %s", self.rank, self.world_size, sorted(self.engines),
+                    sorted(self.copies))  # fmt: skip
+        return {"models": sorted(self.engines), "copies": sorted(self.copies)}
+
+    def _engine(self, mfc: str, model: str) -> tuple[TrainEngine, dict[str, float]]:
+        """The engine that runs `mfc`: the model's own, or its copy on the call's layout, first brought up to
+        date (a collective: every rank runs the same call); with the reallocation's seconds."""
+        if mfc not in self.copies:
+            return self.engines[model], {}
+        _, copy = self.copies[mfc]
+        if mfc not in self._stale:
+            return copy, {}
+        start, source = time.monotonic(), self.engines[model]
+        if self.cfg.param_realloc_mode == "disk":
+            snapshot = self._snapshots[model]
+            source.save_hf(snapshot)
+            dist.barrier()  # rank 0 wrote it
+            copy.load_hf(snapshot)
+        else:
+            copy.load_weights(source.hf_weights())
+        self._stale.discard(mfc)
+        return copy, {"timeperf/param_realloc": time.monotonic() - start}
+
+    def _trained(self, model: str) -> None:
+        """`model`'s weights changed: its copies are behind."""
+        self._stale |= {mfc for mfc, (name, _) in self.copies.items() if name == model}
 
     def inference(self, payload: dict) -> dict:
         mfc, batch = payload["mfc"], gather(payload["refs"])
         ppo, temperature = self.cfg.ppo, self.cfg.ppo.gen.temperature
-        if mfc == "actor_inf":
-            out = interfaces.actor_inference(
-                self.engines["actor"], batch, self.cfg.actor_inf.mb_spec, temperature
-            )
-        elif mfc == "ref_inf":
-            out = interfaces.ref_inference(self.engines["ref"], batch, self.cfg.ref_inf.mb_spec, temperature)
-        elif mfc == "critic_inf":
-            out = interfaces.critic_inference(self.engines["critic"], batch, self.cfg.critic_inf.mb_spec)
-        else:
+        if mfc not in ("actor_inf", "ref_inf", "critic_inf"):
             raise ValueError(f"trainer cannot run inference call {mfc!r} (ppo options {ppo.disable_value=})")
+        engine, stats = self._engine(mfc, mfc.removesuffix("_inf"))
+        mb_spec = getattr(self.cfg, mfc).mb_spec
+        if mfc == "actor_inf":
+            out = interfaces.actor_inference(engine, batch, mb_spec, temperature)
+        elif mfc == "ref_inf":
+            out = interfaces.ref_inference(engine, batch, mb_spec, temperature)
+        else:
+            out = interfaces.critic_inference(engine, batch, mb_spec)
         if payload["out"]:  # one rank of each data-parallel replica writes its outputs
             write_batch(payload["out"], {CU: batch[CU], **out})
-        return {"path": payload["out"]}
+        return {"path": payload["out"], "stats": stats}
 
     def train_step(self, payload: dict) -> dict:
         mfc, batch, cfg = payload["mfc"], gather(payload["refs"]), self.cfg
@@ -94,7 +134,9 @@ class TrainerHandlers:
             stats = interfaces.sft_train_step(self.engines["actor"], batch, cfg.actor_train.mb_spec)
         else:
             raise ValueError(f"trainer cannot run train call {mfc!r}")
-        self._reserve("critic" if mfc == "critic_train" else "actor")
+        model = "critic" if mfc == "critic_train" else "actor"
+        self._trained(model)
+        self._reserve(model)
         return {"stats": stats}
 
     def _reserve(self, name: str) -> None:
@@ -160,6 +202,7 @@ class TrainerHandlers:
             set_rng_state(rng)
         else:  # more ranks than wrote the checkpoint: this one keeps its own (only sampling would differ)
             logger.warning("rank %d: %s holds no random generators of this rank", self.rank, folder)
+        self._stale = set(self.copies)
         if meta["world_size"] != self.world_size:
             logger.info("resharded a checkpoint of %d ranks onto %d", meta["world_size"], self.world_size)
         return {"models": sorted(state)}

@@ -128,7 +128,9 @@ class Stager:
             numels = [m.numel for m in bucket]
             parts = self._buffer(bucket[0].dtype, device)[: sum(numels)].split(numels)
             places = self._places[index] = [p.view(m.shape) for p, m in zip(parts, bucket, strict=True)]
-        by_dtype: dict[torch.dtype, tuple[list, list]] = {}  # a foreach copy of mixed dtypes copies one by one
+        by_dtype: dict[
+            torch.dtype, tuple[list, list]
+        ] = {}  # a foreach copy of mixed dtypes copies one by one
         for place, tensor in zip(places, tensors, strict=True):
             dst, src = by_dtype.setdefault(tensor.dtype, ([], []))
             dst.append(place)

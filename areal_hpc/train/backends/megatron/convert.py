@@ -15,7 +15,7 @@ Everything here is pure (tensors in, tensors out): the engine brings the tensors
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -150,6 +150,33 @@ def load_shards(
     """This rank's Megatron parameters, one at a time, from ``read(hf_name)`` (a full HF tensor)."""
     for name, param in params_of(hf, layout).items():
         yield name, param, shard(param, [read(n) for n in param.hf_names], hf, layout)
+
+
+def stream_shards(
+    hf: dict[str, Any], layout: Layout, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, Param, torch.Tensor]]:
+    """``load_shards`` from a stream of full HF tensors (another layout's weights: parameter reallocation). A
+    parameter comes as soon as its last HF tensor has; a tensor is held only until every parameter that needs
+    it came. The stream is drained to its end (it may be a collective)."""
+    params = params_of(hf, layout)
+    users: dict[str, list[str]] = {}  # HF name -> the parameters made of it
+    for name, param in params.items():
+        for hf_name in param.hf_names:
+            users.setdefault(hf_name, []).append(name)
+    left = {hf_name: len(names) for hf_name, names in users.items()}
+    held: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in weights:
+        if hf_name not in users:  # another stage's
+            continue
+        held[hf_name] = tensor
+        for name in users[hf_name]:
+            param = params[name]
+            if all(n in held for n in param.hf_names):
+                yield name, param, shard(param, [held[n] for n in param.hf_names], hf, layout)
+                for n in param.hf_names:
+                    left[n] -= 1
+                    if not left[n]:
+                        del held[n]
 
 
 def exported(hf: dict[str, Any], layout: Layout) -> dict[str, Param]:

@@ -1,9 +1,10 @@
 """MegatronEngine: one model as a megatron-core GPTModel, tensor, pipeline and data parallel, on packed
 micro-batches.
 
-- Layout: Megatron's groups over the trainer's process group (``parallel.init_parallel``); each rank holds its
-  TP shard of its PP stage's layers, loaded from the HF checkpoint shard by shard (``convert``). Ranks of one
-  data-parallel replica (its TP x PP ranks) run the same micro-batches.
+- Layout: process groups over the trainer's process group (``parallel.model_groups``: Megatron's global ones, or
+  an inference-only copy's own); each rank holds its TP shard of its PP stage's layers, loaded from the HF
+  checkpoint shard by shard (``convert``), or re-sharded from another engine's weights (``load_weights``:
+  parameter reallocation). Ranks of one data-parallel replica (its TP x PP ranks) run the same micro-batches.
 - Precision: parameters in the compute ``dtype``; float32 gradients (Megatron's DDP buffers) and float32
   master weights and Adam state in Megatron's distributed optimizer, sharded over the data-parallel ranks.
 - Schedule: every forward and backward runs through Megatron's schedule (1F1B over the stages with pipeline
@@ -17,18 +18,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -47,7 +48,7 @@ from areal_hpc.train.backends.megatron.model import (
     rope_theta,
     transformer_config,
 )
-from areal_hpc.train.backends.megatron.parallel import init_parallel, on_device
+from areal_hpc.train.backends.megatron.parallel import layout_of, model_groups, on_device
 from areal_hpc.train.head import HEAD_CHUNK_TOKENS, vocab_parallel_logprobs
 from areal_hpc.train.microbatch import EMPTY_MB, micro_batch_groups, seq_lengths, to_torch, token_indices
 from areal_hpc.train.models import DTYPES, compile_pointwise
@@ -122,18 +123,16 @@ class MegatronEngine:
         self.trainable = total_train_steps is not None
         self.total_steps, self.steps_done = max(1, total_train_steps or 1), 0
         with on_device():
-            self.layout = init_parallel(tensor, pipeline)
+            self.groups = model_groups(tensor, pipeline, self.trainable)
+            self.layout = layout_of(self.groups)
             recompute = self.trainable and getattr(model_cfg, "gradient_checkpointing", False)
             self.config = transformer_config(self.hf, self.dtype, tensor, pipeline, recompute)
-            self.model = build_model(self.hf, self.config, self.layout.first, self.layout.last).to(
-                self.device
-            )
-            self._load_hf()
+            self.model = build_model(self.hf, self.config, self.layout, self.groups).to(self.device)
+            self.load_hf(self.source_dir)
             if self.device.type == "cuda":
                 compile_pointwise(self.model)
-            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.tp_group, self.dp_group = self.groups.tp, self.groups.dp
             self._views = None  # hf_weights' views of the parameters (TP and PP size 1)
-            self.dp_group = parallel_state.get_data_parallel_group()
             self.optimizer = self.ddp = None
             if self.trainable:
                 self._make_optimizer()
@@ -141,12 +140,22 @@ class MegatronEngine:
                 self.model.requires_grad_(False)
         self.model.eval()
 
-    def _load_hf(self) -> None:
-        """This rank's shards from the HF checkpoint. Each parameter is also marked with its TP split, which
+    def load_hf(self, model_dir: str | Path) -> None:
+        """This rank's shards from the HF checkpoint in ``model_dir``: the model's own, or another engine's
+        ``save_hf`` (parameter reallocation through the disk)."""
+        self._copy_in(convert.load_shards(self.hf, self.layout, hf_reader(Path(model_dir))))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Parameter reallocation: this rank's shards taken from full HF tensors, as another engine's
+        ``hf_weights()`` gives them on every rank (drained to the end: a collective of that engine)."""
+        self._copy_in(convert.stream_shards(self.hf, self.layout, weights))
+
+    def _copy_in(self, shards: Iterator[tuple[str, convert.Param, torch.Tensor]]) -> None:
+        """Copy ``shards`` into the parameters, every one of them. Each is also marked with its TP split, which
         megatron-core sets only when it initialises weights itself (the optimizer's gradient norm reads it)."""
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, param, shard in convert.load_shards(self.hf, self.layout, hf_reader(self.source_dir)):
+            for name, param, shard in shards:
                 tensor = params.pop(name)
                 tensor.copy_(shard)
                 if param.tp_dim is not None:  # the attributes of set_tensor_model_parallel_attributes
@@ -224,8 +233,11 @@ class MegatronEngine:
 
             return hidden, loss_func
 
+        pipeline = (
+            {"p2p_communicator": P2PCommunicator(self.groups.pp, self.config)} if self.layout.pp > 1 else {}
+        )
         with on_device():
-            return get_forward_backward_func()(
+            return get_forward_backward_func(pp_size=self.layout.pp)(
                 forward_step_func=forward_step,
                 data_iterator=iter(mbs),
                 model=[model],
@@ -233,6 +245,8 @@ class MegatronEngine:
                 seq_length=max(int(mb[CU][-1]) for mb in mbs),
                 micro_batch_size=1,
                 forward_only=loss_fn is None,
+                pg_collection=self.groups,
+                **pipeline,
             )
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -240,8 +254,8 @@ class MegatronEngine:
         if self.layout.pp > 1:
             torch.distributed.broadcast(
                 tensor,
-                src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
+                src=torch.distributed.get_global_rank(self.groups.pp, self.layout.pp - 1),
+                group=self.groups.pp,
             )
         return tensor
 
@@ -351,7 +365,7 @@ class MegatronEngine:
             yield from zip(param.hf_names, views or convert.unshard(param, [tensor], self.hf), strict=True)
 
     def _across_stages(self) -> Iterator[tuple[str, torch.Tensor]]:
-        pp_group, shapes = parallel_state.get_pipeline_model_parallel_group(), hf_shapes(self.source_dir)
+        pp_group, shapes = self.groups.pp, hf_shapes(self.source_dir)
         mine = self._stage_weights()  # in the order _exports lists this stage's
         for stage, _, param in self._exports():
             for hf_name in param.hf_names:
@@ -381,7 +395,7 @@ class MegatronEngine:
     def _adam_params(self) -> Iterator[tuple[str, torch.optim.Optimizer, torch.Tensor]]:
         """This rank's float32 shards that Adam updates (inside Megatron's distributed optimizer), named."""
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        dp, n_dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        dp, n_dp = self.groups.dp.rank(), self.groups.dp.size()
         for i, inner in enumerate(o.optimizer for o in chained):
             for g, group in enumerate(inner.param_groups):
                 for j, param in enumerate(group["params"]):
@@ -403,7 +417,7 @@ class MegatronEngine:
             if self.dtype != torch.float32:  # else Adam updates shards of the weights themselves
                 optimizer[f"{name}.main"] = param.detach()
             optimizer.update({f"{name}.{k}": v for k, v in inner.state[param].items()})
-        replica = parallel_state.get_data_parallel_rank() > 0  # loads them; data-parallel rank 0 writes them
+        replica = self.groups.dp.rank() > 0  # loads them; data-parallel rank 0 writes them
         return {"model": model if replica else RankLocal(model), "optimizer": RankLocal(optimizer)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

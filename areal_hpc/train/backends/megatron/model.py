@@ -22,11 +22,13 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from areal_hpc.config import megatron_model_problems
+from areal_hpc.train.backends.megatron.convert import Layout
 from areal_hpc.train.head import kernel
 from areal_hpc.train.packed import causal_varlen
 
@@ -172,17 +174,21 @@ class HiddenGPT(GPTModel):
         return hidden_states
 
 
-def build_model(hf: dict[str, Any], config: TransformerConfig, first: bool, last: bool) -> HiddenGPT:
-    """This pipeline stage's part of the model (``first``: it embeds; ``last``: it holds the LM head)."""
+def build_model(
+    hf: dict[str, Any], config: TransformerConfig, layout: Layout, groups: ProcessGroupCollection
+) -> HiddenGPT:
+    """This rank's part of the model at ``layout`` (the first stage embeds, the last holds the LM head),
+    communicating over ``groups``."""
     return HiddenGPT(
         config,
         layer_spec(config),
         vocab_size=hf["vocab_size"],
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        pre_process=first,
-        post_process=last,
+        pre_process=layout.first,
+        post_process=layout.last,
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
         position_embedding_type="none",  # PackedAttention applies the rotary embedding
+        pg_collection=groups,
     )
 
 

@@ -1,7 +1,8 @@
-"""Megatron's parallel state (tensor, pipeline, data groups) on the trainer's process group.
+"""A model's tensor, pipeline and data-parallel groups on the trainer's process group.
 
 Megatron orders ranks tensor fastest, then data, then pipeline: the order of ``alloc.ParallelSpec.coords``, so
-the trainer rank that allocation places at (dp, tp, pp) is Megatron's rank of the same coordinates.
+the trainer rank that allocation places at (dp, tp, pp) is Megatron's rank of the same coordinates. The model
+that trains uses Megatron's global groups; a copy of it on another per-MFC layout has groups of its own.
 
 Without CUDA (the test suite's CPU ranks on gloo), megatron-core's hard-coded CUDA device means the CPU while
 the engine runs (``on_device``): tensors it makes on "cuda" are made on the CPU, ``Tensor.cuda()`` leaves a
@@ -14,9 +15,12 @@ nothing is changed.
 from __future__ import annotations
 
 import contextlib
+from functools import cache
 
+import numpy as np
 import torch
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.overrides import TorchFunctionMode
 
 from areal_hpc.train.backends.megatron.convert import Layout
@@ -53,27 +57,57 @@ def on_device() -> contextlib.AbstractContextManager:
     return _CudaMeansCpu()
 
 
-def init_parallel(tp: int, pp: int) -> Layout:
-    """Megatron's groups over the whole process group (world = dp * tp * pp); this rank's layout.
+def model_groups(tp: int, pp: int, trainable: bool) -> ProcessGroupCollection:
+    """The process groups of a model at tensor size ``tp`` and pipeline size ``pp`` over the whole process group
+    (world = dp * tp * pp), on every rank (a collective).
 
-    Called again with the same sizes it keeps the groups; with other sizes it is an error."""
-    if parallel_state.model_parallel_is_initialized():
-        have = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-        )
-        if have != (tp, pp):
-            raise RuntimeError(f"Megatron's groups are tp{have[0]} pp{have[1]} already; asked tp{tp} pp{pp}")
-    else:
-        world = torch.distributed.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(f"{world} trainer ranks do not make data-parallel groups of tp{tp} x pp{pp}")
+    The first model sets Megatron's global groups (``parallel_state``), which a trained model needs: Megatron's
+    DDP and distributed optimizer read them. An inference-only model on another layout (a per-MFC layout: the
+    actor's copy for actor_inf) gets groups of its own, which its layers and schedule take as their
+    ``pg_collection``."""
+    world = torch.distributed.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"{world} trainer ranks do not make data-parallel groups of tp{tp} x pp{pp}")
+    if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
         )
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    if have == (tp, pp):
+        return ProcessGroupCollection.use_mpu_process_groups()
+    if trainable:
+        raise RuntimeError(
+            f"a trained model needs Megatron's global groups, which are tp{have[0]} pp{have[1]}, not tp{tp} pp{pp}"
+        )
+    return _own_groups(tp, pp)
+
+
+@cache  # one set per layout: new groups are made by every rank, in the same order
+def _own_groups(tp: int, pp: int) -> ProcessGroupCollection:
+    world = torch.distributed.get_world_size()
+    grid = np.arange(world).reshape(
+        pp, world // (tp * pp), tp
+    )  # rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+    def along(axis: int) -> list[list[int]]:
+        return np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis]).tolist()
+
+    def group(ranks: list[list[int]]) -> torch.distributed.ProcessGroup:
+        return torch.distributed.new_subgroups_by_enumeration(ranks)[0]  # this rank's
+
+    groups = ProcessGroupCollection(
+        tp=group(along(2)), dp=group(along(1)), pp=group(along(0)), cp=group([[r] for r in range(world)])
+    )
+    groups.dp_cp, groups.pos_embd = groups.dp, None  # no context parallelism; rotary positions
+    groups.embd = group([sorted({p[0], p[-1]}) for p in along(0)])  # a tied embedding's: first and last stage
+    return groups
+
+
+def layout_of(groups: ProcessGroupCollection) -> Layout:
+    """This rank's place in the layout of ``groups``."""
     return Layout(
-        tp=tp,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        pp=pp,
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        tp=groups.tp.size(), tp_rank=groups.tp.rank(), pp=groups.pp.size(), pp_rank=groups.pp.rank()
     )
