@@ -84,6 +84,18 @@ def cmd_submit(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from areal_hpc.eval import EvalOptions, evaluate, results_table
+
+    opts = EvalOptions(
+        ns.model_path, ns.output_path, tuple(n for n in ns.data_names.split(",") if n), ns.data_dir,
+        ns.max_gen_tokens, ns.n_sampling, ns.temperature, ns.top_p, ns.top_k, ns.n_servers, seed=ns.seed,
+    )  # fmt: skip
+    print(results_table(evaluate(opts)))
+    print(f"results: {Path(ns.output_path) / 'results.json'}")
+    return 0
+
+
 def one_run(ns: argparse.Namespace):
     """The run the arguments name (the newest of a config's runs)."""
     from areal_hpc.launch import runs
@@ -157,6 +169,34 @@ def add_run_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_eval_parser(verbs) -> None:
+    ev = verbs.add_parser(
+        "eval",
+        help="evaluate a checkpoint on math sets: greedy_acc, sample_pass@1, pass@k, maj@k (the original's)",
+    )
+    ev.add_argument("--model_path", required=True, help="Hugging Face model directory (a saved checkpoint)")
+    ev.add_argument(
+        "--output_path", required=True, help="folder of the answers (<set>.jsonl) and results.json"
+    )
+    ev.add_argument(
+        "--data_names", default="math_500,aime24,amc23", help="comma-separated sets: <name>.jsonl"
+    )
+    ev.add_argument(
+        "--data_dir", default=os.environ.get("AREAL_EVAL_DATA", ""),
+        help="folder of the sets, JSONL with problem and answer (default: $AREAL_EVAL_DATA)",
+    )  # fmt: skip
+    ev.add_argument("--max_gen_tokens", type=int, default=32768, help="longest answer, in tokens")
+    ev.add_argument("--n_sampling", type=int, default=32, help="samples per question (0: greedy only)")
+    ev.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
+    ev.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling threshold")
+    ev.add_argument("--top_k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
+    ev.add_argument(
+        "--n_servers", type=int, default=1, help="generation servers, one per GPU (questions spread)"
+    )
+    ev.add_argument("--seed", type=int, default=0, help="seed of the samples")
+    ev.set_defaults(func=cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal-hpc", description="Asynchronous RL for LLM reasoning on Slurm clusters."
@@ -193,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--fileroot", help="cluster.fileroot of the run to recover (default: ~/areal_hpc)")
     submit.set_defaults(func=cmd_submit)
+    add_eval_parser(verbs)
     status = verbs.add_parser(
         "status", help="Slurm state, step, reward and ETA of a run (default: the latest)"
     )

@@ -1,17 +1,22 @@
 """Evaluation: held-out greedy accuracy during training (`heldout`); the evaluation sets and the R1-style
 instruction (`datasets`); the original's metrics, greedy_acc, sample_pass@1, unbiased pass@k, maj@k and
-answer lengths (`metrics`)."""
+answer lengths (`metrics`); `areal-hpc eval`, a checkpoint's answers to the sets and their metrics
+(`evaluate`)."""
 
 from areal_hpc.eval.datasets import EVAL_SETS, EvalDataError, EvalQuestion, load_eval_set
+from areal_hpc.eval.evaluate import EvalOptions, evaluate, results_table
 from areal_hpc.eval.heldout import greedy_accuracy
 from areal_hpc.eval.metrics import Question, dataset_metrics
 
 __all__ = [
     "EVAL_SETS",
     "EvalDataError",
+    "EvalOptions",
     "EvalQuestion",
     "Question",
     "dataset_metrics",
+    "evaluate",
     "greedy_accuracy",
     "load_eval_set",
+    "results_table",
 ]
