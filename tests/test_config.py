@@ -136,6 +136,7 @@ def test_malformed_override_and_yaml(tmp_path):
         ),
         (["ppo.gen.min_new_tokens=99999"], "'ppo.gen.min_new_tokens' (99999) is above"),
         (["ppo.disable_value=false"], "'critic.path' is required"),
+        (["eval.enabled=true"], "'eval.data_dir' is required when 'eval.enabled' is true"),
         # What is not implemented yet is refused, saying what is.
         (["allocation_mode=d8p1m1"], "colocated allocations are not implemented yet"),
         (["allocation_mode=manual"], "manual allocations are not implemented yet"),
@@ -226,7 +227,6 @@ def test_allocation_is_checked_against_the_cluster():
     "override, message",
     [
         ("mode=slurm", "'mode' is not an option of this version: the command decides where roles run"),
-        ("eval.n_sampling=4", "'eval' is not an option of this version: evaluation options are not"),
         ("logging.tensorboard=true", "TensorBoard output is not implemented yet"),
         ("actor_train.device_mesh=n1", "allocation_mode manual is not implemented yet"),
         ("ref_inf.parallel.tensor=2", "allocation_mode manual is not implemented yet"),

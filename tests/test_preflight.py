@@ -36,9 +36,13 @@ def test_every_bad_input_is_named_at_once(toy, tmp_path, capsys):
         f"dataset.path={few}",
         "actor.path=/nonexistent/model",
         f"dataset.valid_path={tmp_path}/none",
+        "eval.enabled=true",
+        f"eval.data_dir={tmp_path}",
+        "eval.data_names=[aime24]",
     ]
     assert main(["submit", "--dry-run", TOY, *toy.overrides("bad", 2, *overrides)]) == 2
     err = capsys.readouterr().err
+    assert f"'eval.data_names': no evaluation set 'aime24': {tmp_path}/aime24.jsonl does not exist" in err
     assert f"'dataset.path': {few} holds 3 prompts, fewer than one step's dataset.train_bs_n_seqs=4" in err
     assert f"'dataset.valid_path': cannot read {tmp_path}/none: No such file or directory" in err
     assert "'actor.path': /nonexistent/model is not a directory" in err

@@ -14,6 +14,7 @@ from areal_hpc.config.loader import dump_yaml, load_config, to_dict
 from areal_hpc.config.schema import (
     ConfigError,
     DatasetConfig,
+    EvalConfig,
     ExpCtrlConfig,
     ExperimentConfig,
     InputError,
@@ -32,6 +33,7 @@ __all__ = [
     "Backend",
     "ConfigError",
     "DatasetConfig",
+    "EvalConfig",
     "ExpCtrlConfig",
     "ExperimentConfig",
     "InputError",

@@ -75,6 +75,8 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         )
     if not cfg.ppo.disable_value and not cfg.critic.path:
         out.append("'critic.path' is required when 'ppo.disable_value' is false")
+    if cfg.eval.enabled and not cfg.eval.data_dir:
+        out.append("'eval.data_dir' is required when 'eval.enabled' is true: the folder of <name>.jsonl sets")
     if cfg.ppo.group_adv_norm and cfg.group_size < 2:
         out.append("'ppo.group_adv_norm' needs 'group_size' >= 2")
     for name, model in trainer_models(cfg).items():

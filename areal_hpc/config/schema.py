@@ -194,6 +194,26 @@ class ExpCtrlConfig:
 
 
 @dataclass
+class EvalConfig:
+    enabled: bool = opt(
+        False,
+        "Evaluate each checkpoint that exp_ctrl.save_freq_* saves, in a job of its own (`areal-hpc eval` on the "
+        "generation partition; a local process under `areal-hpc run`); its metrics join the statistics under "
+        "eval/<set>/ at the checkpoint's step. A failed evaluation never stops training.",
+    )
+    data_names: list[str] = opt(["math_500", "aime24", "amc23"], "Evaluation sets: <data_dir>/<name>.jsonl.")
+    data_dir: str | None = opt(None, "Folder of the evaluation sets (JSONL with problem and answer).")
+    max_gen_tokens: int = opt(32768, "Longest answer, in tokens.", ge=1)
+    n_sampling: int = opt(32, "Samples per question besides the greedy answer.", ge=0)
+    temperature: float = opt(0.6, "Sampling temperature.", gt=0)
+    top_p: float = opt(0.95, "Nucleus sampling threshold.", gt=0, le=1)
+    top_k: int = opt(-1, "Sample among the k most likely tokens; -1: all.", ge=-1)
+    n_gpus: int = opt(1, "GPUs of an evaluation job, one generation server each (CPU: one server).", ge=1)
+    max_concurrent_jobs: int = opt(3, "Evaluation jobs at once; later checkpoints wait their turn.", ge=1)
+    time_limit_mins: int = opt(240, "Time limit of an evaluation job, in minutes.", ge=1)
+
+
+@dataclass
 class LoggingConfig:
     level: str = opt("INFO", "Log level of every role.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     progress: bool = opt(True, "`areal-hpc run` shows a progress line (step, reward, ETA) as steps finish.")
@@ -286,6 +306,7 @@ class ExperimentConfig:
         choices=("round_robin", "least_requests", "least_token_usage"),
     )
     exp_ctrl: ExpCtrlConfig = opt(ExpCtrlConfig, "When to save, checkpoint, evaluate and stop.")
+    eval: EvalConfig = opt(EvalConfig, "Evaluation of the saved checkpoints (REFERENCE.md section 8).")
     recover_mode: str = opt(
         "disabled",
         "auto: resume if a checkpoint exists; resume: must resume; fault: fresh, retries resume; disabled.",

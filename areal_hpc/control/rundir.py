@@ -131,6 +131,15 @@ class RunDir:
         return self.weights / f"realloc-{model}"
 
     @property
+    def evals(self) -> Path:
+        """The evaluations of the saved checkpoints (eval.enabled) and their jobs' folder (`jobs/`)."""
+        return self.root / "eval"
+
+    def eval_results(self, step: int) -> Path:
+        """Where the evaluation of the checkpoint saved at global step `step` writes its answers and results."""
+        return self.evals / f"globalstep{step}"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

@@ -1,10 +1,9 @@
 """Evaluation: held-out greedy accuracy during training (`heldout`); the evaluation sets and the R1-style
 instruction (`datasets`); the original's metrics, greedy_acc, sample_pass@1, unbiased pass@k, maj@k and
 answer lengths (`metrics`); `areal-hpc eval`, a checkpoint's answers to the sets and their metrics
-(`evaluate`)."""
+(`evaluator`, loaded when first named: it brings the generation stage, which the launcher does not load)."""
 
 from areal_hpc.eval.datasets import EVAL_SETS, EvalDataError, EvalQuestion, load_eval_set
-from areal_hpc.eval.evaluate import EvalOptions, evaluate, results_table
 from areal_hpc.eval.heldout import greedy_accuracy
 from areal_hpc.eval.metrics import Question, dataset_metrics
 
@@ -20,3 +19,11 @@ __all__ = [
     "load_eval_set",
     "results_table",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("EvalOptions", "evaluate", "results_table"):
+        from areal_hpc.eval import evaluator
+
+        return getattr(evaluator, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

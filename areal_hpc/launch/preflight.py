@@ -9,6 +9,7 @@ from pathlib import Path
 
 from areal_hpc.config import ExperimentConfig, InputError, trainer_models
 from areal_hpc.data import DatasetFormatError, read_prompt_records
+from areal_hpc.eval import EvalDataError, load_eval_set
 
 
 def check_inputs(cfg: ExperimentConfig, new_run: bool = True) -> None:
@@ -16,6 +17,7 @@ def check_inputs(cfg: ExperimentConfig, new_run: bool = True) -> None:
     starts afresh (not `submit --recover`), which has no checkpoint to resume."""
     problems = [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path)]
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
+    problems += eval_set_problems(cfg)
     if new_run and cfg.recover_mode == "resume":
         problems.append(
             "'recover_mode' is resume, but a new run has no recover checkpoint to resume: use auto, or "
@@ -28,6 +30,19 @@ def check_inputs(cfg: ExperimentConfig, new_run: bool = True) -> None:
 def datasets(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:
     out = [("dataset.path", cfg.dataset.path)]
     return out + [("dataset.valid_path", cfg.dataset.valid_path)] if cfg.dataset.valid_path else out
+
+
+def eval_set_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every evaluation set of `eval.enabled` loads (each line: problem and answer)."""
+    if not cfg.eval.enabled or not cfg.eval.data_dir:  # without a folder the config checks said so
+        return []
+    out = []
+    for name in cfg.eval.data_names:
+        try:
+            load_eval_set(name, cfg.eval.data_dir)
+        except EvalDataError as exc:
+            out.append(f"'eval.data_names': {exc}")
+    return out
 
 
 def models(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:

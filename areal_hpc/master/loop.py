@@ -18,6 +18,7 @@ from areal_hpc.control import RunDir, fsio
 from areal_hpc.data import PromptDataset, read_batch, read_keys
 from areal_hpc.master.buffer import Buffer, SampleMeta
 from areal_hpc.master.checkpoint import Checkpointer
+from areal_hpc.master.checkpoint_evals import CheckpointEvals, make_executor
 from areal_hpc.master.counter import make_counter
 from areal_hpc.master.dispatch import refs_payload, split_by_rank
 from areal_hpc.master.evaluate import HeldoutEval
@@ -64,6 +65,7 @@ class Master:
         clients: list,
         verifier,
         tokenizer,
+        local: bool = True,
     ):
         train, heldout = data
         self.cfg, self.rundir, self.graph, self.trainers = cfg, run, graph, trainers
@@ -83,7 +85,10 @@ class Master:
         self.save_ctl, self.eval_ctl, self.ckpt_ctl = (
             frequency(cfg.exp_ctrl, w) for w in ("save", "eval", "ckpt")
         )
+        executor = make_executor(cfg, run.evals / "jobs", local) if cfg.eval.enabled else None
+        self.checkpoint_evals = CheckpointEvals(cfg, run, self.stats, executor)
         components = {"counter": self.counter, "source": self.source, "eval": self.evaluate}
+        components["checkpoint_evals"] = self.checkpoint_evals
         components |= {"save_ctl": self.save_ctl, "eval_ctl": self.eval_ctl, "ckpt_ctl": self.ckpt_ctl}
         self.checkpointer = Checkpointer(cfg, run, trainers, components)
         self.publisher = make_publisher(cfg, run, trainers, clients)
@@ -108,6 +113,7 @@ class Master:
             self.checkpointer.finish()
             if self.rl:
                 self.evaluate(c.global_step)
+            self.checkpoint_evals.finish(timeout=self.cfg.eval.time_limit_mins * 60)
         return self.evaluate.history
 
     def step(self) -> None:
@@ -131,6 +137,7 @@ class Master:
         self.stats.write(c.global_step, stats)
         self.guard.step_done()
         self.checkpointer.finish(wait=False)  # seal a checkpoint whose shards were written during the step
+        self.checkpoint_evals.poll()
         logger.info(step_line(c, secs))
         metric, value = ("reward", stats.get(REWARD)) if self.rl else ("loss", stats.get("sft/loss"))
         write_progress(self.rundir.progress, c.global_step, c.total_steps, metric, value, c.eta_secs())
@@ -210,6 +217,7 @@ class Master:
         )
         self.trainers.call_all("save", {"model": "actor", "path": str(path)})
         logger.info("Saved actor weights to %s", path)
+        self.checkpoint_evals.submit(c.global_step, path)
 
     # --- starting and stopping --------------------------------------------------------------------------------
 

@@ -36,7 +36,8 @@ def run(ctx: RunContext) -> None:
     graph = build_graph(cfg, trainer_only=True)
     with MathVerifier(n_workers=1) as verifier:
         try:
-            master = Master(cfg, run, graph, (train, heldout), trainers, clients, verifier, tokenizer)
+            data = (train, heldout)
+            master = Master(cfg, run, graph, data, trainers, clients, verifier, tokenizer, local=ctx.local)
             # USR2: checkpoint at the end of the step; SIGTERM: checkpoint the last finished step now.
             master.guard.notice.install(on_term=cfg.recover_mode != "disabled")
             master.run(resume_from, ctx.attempt)
