@@ -170,6 +170,9 @@ def add_run_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_eval_parser(verbs) -> None:
+    from areal_hpc.config import EvalConfig
+
+    d = EvalConfig()  # the defaults of evaluation during training: one place
     ev = verbs.add_parser(
         "eval",
         help="evaluate a checkpoint on math sets: greedy_acc, sample_pass@1, pass@k, maj@k (the original's)",
@@ -178,18 +181,20 @@ def add_eval_parser(verbs) -> None:
     ev.add_argument(
         "--output_path", required=True, help="folder of the answers (<set>.jsonl) and results.json"
     )
-    ev.add_argument(
-        "--data_names", default="math_500,aime24,amc23", help="comma-separated sets: <name>.jsonl"
-    )
+    ev.add_argument("--data_names", default=",".join(d.data_names), help="comma-separated sets: <name>.jsonl")
     ev.add_argument(
         "--data_dir", default=os.environ.get("AREAL_EVAL_DATA", ""),
         help="folder of the sets, JSONL with problem and answer (default: $AREAL_EVAL_DATA)",
     )  # fmt: skip
-    ev.add_argument("--max_gen_tokens", type=int, default=32768, help="longest answer, in tokens")
-    ev.add_argument("--n_sampling", type=int, default=32, help="samples per question (0: greedy only)")
-    ev.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
-    ev.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling threshold")
-    ev.add_argument("--top_k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
+    ev.add_argument("--max_gen_tokens", type=int, default=d.max_gen_tokens, help="longest answer, in tokens")
+    ev.add_argument(
+        "--n_sampling", type=int, default=d.n_sampling, help="samples per question (0: greedy only)"
+    )
+    ev.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
+    ev.add_argument("--top_p", type=float, default=d.top_p, help="nucleus sampling threshold")
+    ev.add_argument(
+        "--top_k", type=int, default=d.top_k, help="sample among the k most likely tokens (-1: all)"
+    )
     ev.add_argument(
         "--n_servers", type=int, default=1, help="generation servers, one per GPU (questions spread)"
     )

@@ -32,17 +32,17 @@ REQUESTS_PER_SERVER = 16  # questions in flight on one server: its batch is thei
 
 @dataclass(frozen=True)
 class EvalOptions:
-    """The options of an evaluation (the original's names)."""
+    """The options of an evaluation (the original's names; their defaults are `config.EvalConfig`'s)."""
 
     model_path: str
     output_path: str
-    data_names: tuple[str, ...] = ("math_500", "aime24", "amc23")
-    data_dir: str = ""  # the folder of <name>.jsonl
-    max_gen_tokens: int = 32768
-    n_sampling: int = 32
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = -1
+    data_names: tuple[str, ...]
+    data_dir: str  # the folder of <name>.jsonl
+    max_gen_tokens: int
+    n_sampling: int
+    temperature: float
+    top_p: float
+    top_k: int
     n_servers: int = 1
     backend: str = "builtin"
     seed: int = 0
