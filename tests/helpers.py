@@ -1,5 +1,5 @@
-"""Helpers of the tests: the toy experiment's settings, the role processes of a run, and a probe of the tensors
-an op makes."""
+"""Helpers of the tests: the toy experiment's settings, the role processes of a run, a probe of the tensors
+an op makes, and what TensorBoard reads from a run."""
 
 from __future__ import annotations
 
@@ -109,3 +109,12 @@ def _storage(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr()
     except RuntimeError:
         return None
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of each scalar in the event files of `folder`, as TensorBoard's own reader loads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

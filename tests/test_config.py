@@ -227,7 +227,7 @@ def test_allocation_is_checked_against_the_cluster():
     "override, message",
     [
         ("mode=slurm", "'mode' is not an option of this version: the command decides where roles run"),
-        ("logging.tensorboard=true", "TensorBoard output is not implemented yet"),
+        ("logging.stats_jsonl=false", "statistics always go to logs/stats.jsonl"),
         ("actor_train.device_mesh=n1", "allocation_mode manual is not implemented yet"),
         ("ref_inf.parallel.tensor=2", "allocation_mode manual is not implemented yet"),
     ],

@@ -19,7 +19,7 @@ from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
 from areal_hpc.launch.roles import role_main
 from areal_hpc.monitor.stats import read_stats
-from tests.helpers import role_pids
+from tests.helpers import role_pids, tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two trainer ranks and one server on three CPU slots.
@@ -33,6 +33,8 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
     assert get_status(run).state == "COMPLETE"
     steps = [r for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
+    tensorboard = tensorboard_scalars(run.tensorboard)  # logging.tensorboard, on by default
+    assert [step for step, _ in tensorboard["ppo_actor/task_reward/avg"]] == [1, 2, 3]
     assert all(r["ppo_actor/n_seqs"] == 4 * 2 for r in steps)  # reduced over both ranks
     assert all(r["ppo_actor/importance_weight/avg"] == pytest.approx(1.0, abs=1e-3) for r in steps)
     assert all(r["ppo_actor/head_offpolicyness/max"] == 0 for r in steps)  # synchronous: fresh weights

@@ -26,7 +26,6 @@ _FALSE = {"false", "no", "off", "0"}
 # Keys of the original (or of earlier versions) that this version does not take, and why.
 NOT_TAKEN = {
     "mode": "the command decides where roles run: `areal-hpc run` (local processes) or `areal-hpc submit` (Slurm)",
-    "logging.tensorboard": "TensorBoard output is not implemented yet; statistics go to logs/stats.jsonl",
     "logging.stats_jsonl": "statistics always go to logs/stats.jsonl",
 }
 MANUAL_KEYS = ("device_mesh", "parallel")  # an MFC's own mesh, for allocation_mode manual

@@ -217,6 +217,16 @@ class EvalConfig:
 class LoggingConfig:
     level: str = opt("INFO", "Log level of every role.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     progress: bool = opt(True, "`areal-hpc run` shows a progress line (step, reward, ETA) as steps finish.")
+    tensorboard: bool = opt(
+        True, "TensorBoard event files of the statistics in logs/tensorboard/ (`tensorboard --logdir` it)."
+    )
+    wandb: bool = opt(
+        False, "A W&B run of the statistics in logs/wandb/ (needs the extra: pip install 'areal-hpc[wandb]')."
+    )
+    wandb_mode: str = opt(
+        "offline", "offline: `wandb sync` uploads the run later (compute nodes rarely reach the internet).",
+        choices=("offline", "online"),
+    )  # fmt: skip
 
 
 @dataclass

@@ -168,6 +168,21 @@ class RunDir:
         return self.logs / "stats.jsonl"
 
     @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files of the statistics (logging.tensorboard)."""
+        return self.logs / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        """W&B's folder: an offline run per attempt (logging.wandb)."""
+        return self.logs / "wandb"
+
+    @property
+    def plots(self) -> Path:
+        """`areal-hpc plot`'s PNGs."""
+        return self.logs / "plots"
+
+    @property
     def failed_attempts(self) -> Path:
         """How many attempts of a Slurm job failed (the job script counts them against recover_retries)."""
         return self.logs / "failed_attempts"

@@ -5,6 +5,7 @@ be refused here, never found by a role, whose failures are retried.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from areal_hpc.config import ExperimentConfig, InputError, trainer_models
@@ -17,7 +18,7 @@ def check_inputs(cfg: ExperimentConfig, new_run: bool = True) -> None:
     starts afresh (not `submit --recover`), which has no checkpoint to resume."""
     problems = [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path)]
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
-    problems += eval_set_problems(cfg)
+    problems += eval_set_problems(cfg) + writer_problems(cfg)
     if new_run and cfg.recover_mode == "resume":
         problems.append(
             "'recover_mode' is resume, but a new run has no recover checkpoint to resume: use auto, or "
@@ -43,6 +44,19 @@ def eval_set_problems(cfg: ExperimentConfig) -> list[str]:
         except EvalDataError as exc:
             out.append(f"'eval.data_names': {exc}")
     return out
+
+
+def writer_problems(cfg: ExperimentConfig) -> list[str]:
+    """The libraries of the statistics writers asked for are installed (the roles import them mid-run)."""
+    wanted = [
+        ("logging.tensorboard", "tensorboard", "tensorboard"),
+        ("logging.wandb", "wandb", "areal-hpc[wandb]"),
+    ]
+    return [
+        f"'{key}' is true, but {module} is not installed: pip install '{package}', or set {key}=false"
+        for key, module, package in wanted
+        if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(module) is None
+    ]
 
 
 def models(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:

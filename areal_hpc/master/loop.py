@@ -8,6 +8,7 @@ The master holds sample metadata only; data moves through batch files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -26,7 +27,7 @@ from areal_hpc.master.freq import FrequencyControl
 from areal_hpc.master.graph import MFC
 from areal_hpc.master.guard import StepGuard
 from areal_hpc.master.sources import SftBatches, StepBatch, StoreRollouts, SyncRollouts
-from areal_hpc.monitor import StatsLog, step_line, write_progress
+from areal_hpc.monitor import StatsLog, open_writers, step_line, write_progress
 from areal_hpc.recover import Preempted, rewind
 from areal_hpc.weights import make_publisher
 
@@ -105,7 +106,7 @@ class Master:
             "realloc_snapshots": {mfc.model: str(self.rundir.realloc_snapshot(mfc.model)) for mfc in self.graph},
         })  # fmt: skip
         self.start(resume_from, attempt)
-        with self.guard.checkpoint_on_term(self.checkpoint_and_stop):
+        with self.guard.checkpoint_on_term(self.checkpoint_and_stop), contextlib.closing(self.stats):
             if self.rl and c.global_step == 0:
                 self.evaluate(0)
             while not c.done:
@@ -234,6 +235,8 @@ class Master:
                 self.publish(new_version=False)
             logger.info("Resumed from %s: global step %d (epoch %d), weight version %d",
                         resume_from, c.global_step, c.epoch + 1, c.version)  # fmt: skip
+        first_step = c.global_step + 1 if resume_from else 0  # TensorBoard forgets the lost future from there
+        self.stats.followers = open_writers(self.cfg, self.rundir, attempt, first_step)
         point = {"attempt": attempt, "global_step": c.global_step, "version": c.version}
         fsio.write_json(self.rundir.start_point, point, fsync=True)
 

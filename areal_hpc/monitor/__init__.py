@@ -3,11 +3,13 @@
 stats     stats.jsonl (one JSON line per step) and the original's step log line
 progress  progress.json (the master's side) and the progress line (the launcher's and `status`'s side)
 summary   did the policy learn? the summary table of `make demo`
+writers   the statistics copied to TensorBoard and W&B
 """
 
 from areal_hpc.monitor.progress import Progress, progress_line, write_progress
 from areal_hpc.monitor.stats import StatsLog, format_secs, read_stats, step_line
 from areal_hpc.monitor.summary import format_table, learning_summary
+from areal_hpc.monitor.writers import open_writers
 
 __all__ = [
     "Progress",
@@ -15,6 +17,7 @@ __all__ = [
     "format_secs",
     "format_table",
     "learning_summary",
+    "open_writers",
     "progress_line",
     "read_stats",
     "step_line",

@@ -9,11 +9,13 @@ from pathlib import Path
 
 
 class StatsLog:
-    """Appends `{"step": g, "time": t, name: value, ...}` lines; one writer (the master)."""
+    """Appends `{"step": g, "time": t, name: value, ...}` lines; one writer (the master). `followers`
+    (TensorBoard, W&B: monitor.writers) get each row after it is on disk."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, followers: list | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.followers = followers or []
 
     def write(self, step: int, stats: dict[str, float]) -> None:
         line = json.dumps({"step": step, "time": time.time(), **stats}, sort_keys=False)
@@ -21,6 +23,13 @@ class StatsLog:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+        for follower in self.followers:
+            follower.write(step, stats)
+
+    def close(self) -> None:
+        for follower in self.followers:
+            follower.close()
+        self.followers = []
 
 
 def read_stats(path: Path) -> list[dict]:
