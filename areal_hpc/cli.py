@@ -147,6 +147,18 @@ def cmd_logs(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from areal_hpc.monitor import plot_run, read_stats
+
+    run = one_run(ns)
+    paths = plot_run(read_stats(run.stats), Path(ns.out) if ns.out else run.plots)
+    if not paths:
+        print(f"no statistics to plot yet in {run.stats}", file=sys.stderr)
+        return 1
+    print("\n".join(map(str, paths)))
+    return 0
+
+
 def cmd_list(ns: argparse.Namespace) -> int:
     from areal_hpc.control import get_status
     from areal_hpc.launch import runs
@@ -253,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--role", help="only this role: controller, gen_server, trainer, or e.g. trainer1")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=cmd_logs)
+    plot = verbs.add_parser(
+        "plot", help="PNGs of a run's curves: reward, lengths, off-policyness, weights, time, evaluations"
+    )
+    add_run_arg(plot)
+    plot.add_argument("--out", help="folder of the PNGs (default: the run's logs/plots)")
+    plot.set_defaults(func=cmd_plot)
     listing = verbs.add_parser("list", help="list runs under the fileroot with their state and Slurm jobs")
     add_run_arg(listing)
     listing.set_defaults(func=cmd_list)

@@ -3,7 +3,7 @@
     python tools/demo.py [--fileroot runs] [extra overrides for the GRPO run ...]
 
 Exits non-zero when the policy did not learn: task reward of the last 5 steps must beat the first 5 by
-at least 0.3, and held-out greedy accuracy must rise.
+at least 0.3, and held-out greedy accuracy must rise. Ends with the path of the learning curve (a PNG).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from areal_hpc.config import load_config  # noqa: E402
-from areal_hpc.control.rundir import run_dir_of  # noqa: E402
+from areal_hpc.control.rundir import RunDir, run_dir_of  # noqa: E402
 from areal_hpc.launch.local import run_local  # noqa: E402
+from areal_hpc.monitor import plot_run  # noqa: E402
 from areal_hpc.monitor.stats import read_stats  # noqa: E402
 from areal_hpc.monitor.summary import format_table, learning_summary  # noqa: E402
 
@@ -57,7 +58,9 @@ def main() -> int:
     rl_root = run(
         ["configs/toy-cpu.yaml"], [*common, f"actor.path={last_checkpoint(sft_root)}", *ns.overrides]
     )
-    s = learning_summary(read_stats(rl_root / "logs" / "stats.jsonl"))
+    rl = RunDir(rl_root)
+    rows = read_stats(rl.stats)
+    s = learning_summary(rows)
     gain = s["reward_last"] - s["reward_first"]
     learned = gain >= MIN_REWARD_GAIN and s["greedy_after"] > s["greedy_before"]
     print()
@@ -73,6 +76,8 @@ def main() -> int:
         ("GRPO run", str(rl_root)),
         ("verdict", "LEARNED" if learned else "DID NOT LEARN"),
     ]))  # fmt: skip
+    plot_run(rows, rl.plots)
+    print(f"learning curve: {rl.plots / 'reward.png'} (every figure: areal-hpc plot {rl_root})")
     return 0 if learned else 1
 
 

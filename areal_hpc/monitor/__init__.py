@@ -4,6 +4,7 @@ stats     stats.jsonl (one JSON line per step) and the original's step log line
 progress  progress.json (the master's side) and the progress line (the launcher's and `status`'s side)
 summary   did the policy learn? the summary table of `make demo`
 writers   the statistics copied to TensorBoard and W&B
+plots     PNGs of a run's curves (`areal-hpc plot`; loaded when named: matplotlib is slow to import)
 """
 
 from areal_hpc.monitor.progress import Progress, progress_line, write_progress
@@ -23,3 +24,11 @@ __all__ = [
     "step_line",
     "write_progress",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("FIGURES", "plot_run"):
+        from areal_hpc.monitor import plots
+
+        return getattr(plots, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
