@@ -110,13 +110,16 @@ def one_run(ns: argparse.Namespace):
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from areal_hpc.launch import runs
+    from areal_hpc.launch import run_status, runs
 
     selected = runs.select_runs(ns.run, ns.fileroot)[-1:]
     if not selected:
         print(f"no runs under {ns.fileroot or runs.DEFAULT_FILEROOT}")
     for run in selected:
-        print("\n".join(runs.status_lines(run)))
+        if ns.watch:
+            run_status.watch(run, ns.interval)
+        else:
+            print("\n".join(run_status.status_lines(run)))
     return 0
 
 
@@ -252,9 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=cmd_submit)
     add_eval_parser(verbs)
     status = verbs.add_parser(
-        "status", help="Slurm state, step, reward and ETA of a run (default: the latest)"
+        "status",
+        help="Slurm state, roles, step, reward, ETA, rollouts, staleness, checkpoints of a run "
+        "(default: the latest)",
     )
     add_run_arg(status)
+    status.add_argument("-w", "--watch", action="store_true", help="a live table, redrawn until the run ends")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between redraws of --watch")
     status.set_defaults(func=cmd_status)
     stop = verbs.add_parser("stop", help="cancel a run's Slurm jobs; returns once every component has ended")
     add_run_arg(stop)

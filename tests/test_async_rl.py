@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from areal_hpc.config import load_config
 from areal_hpc.control.ledger import Ledger
 from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.launch.local import run_local
+from areal_hpc.launch.run_status import status_rows
 from areal_hpc.monitor.stats import read_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,5 +74,9 @@ def test_generation_runs_ahead_of_training(tmp_path, tiny_model_dir, easy_data, 
     assert max(r["ppo_actor/head_offpolicyness/max"] for r in steps) >= 1  # trained on older weights' answers
     assert all(r["ppo_actor/tail_offpolicyness/max"] <= r["ppo_actor/head_offpolicyness/max"] for r in steps)
     assert [len(r.ids) for r in Ledger(run.ledger).records()] == [8] * 6
+    shown = dict(status_rows(run))  # `areal-hpc status`: the generation manager's last counters
+    assert re.fullmatch(r"0 \(at most \d+\); \d+ accepted, \d+ dropped", shown["rollouts in flight"])
+    assert re.match(r"servers hold weight version \d; new rollouts aim at version \d \(bound \d\); last step's "
+                    r"samples \d\.\d versions behind \(max \d\)", shown["staleness"])  # fmt: skip
     # The staleness bound itself is the manager's (tests/test_gen_manager.py): it bounds when a rollout may
     # start; an answer that outlives several versions is trained later, continued on newer weights.

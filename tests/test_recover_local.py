@@ -19,7 +19,7 @@ from areal_hpc.control.ledger import Ledger
 from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
-from areal_hpc.launch.runs import status_lines
+from areal_hpc.launch.run_status import status_lines
 from areal_hpc.monitor.stats import read_stats
 from tests.helpers import child_pids, role_pids
 
@@ -103,7 +103,7 @@ def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_th
     assert "resumes from recover checkpoint" in second
     assert_exactly_once(run, 5, 4)
     assert re.search(
-        r"recover checkpoint: global step [23], written \d+ min ago", "\n".join(status_lines(run))
+        r"recover checkpoint: global step [23], written \d+:\d\d:\d\d ago", "\n".join(status_lines(run))
     )
 
 

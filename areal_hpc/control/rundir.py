@@ -75,6 +75,12 @@ class RunDir:
         return self.root / "version.json"
 
     @property
+    def generation(self) -> Path:
+        """The generation manager's counters (running, accepted, dropped, version, expected_version, bound),
+        rewritten every second by the rollout role of asynchronous RL; for `areal-hpc status`."""
+        return self.root / "generation.json"
+
+    @property
     def ledger(self) -> Path:
         """Consumed sample ids per step."""
         return self.root / "ledger.jsonl"

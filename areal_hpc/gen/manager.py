@@ -13,7 +13,7 @@ Thread-safe: rollout threads of one process share one manager.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 POLICIES = ("round_robin", "least_requests", "least_token_usage")
 
@@ -55,6 +55,14 @@ class GenerationManager:
     def expected_version(self) -> int:
         s = self.state
         return (s.accepted + s.running) // self.train_bs
+
+    def counters(self) -> dict[str, int]:
+        """What `areal-hpc status` shows: rollouts in flight, accepted and dropped, and how far ahead of the
+        servers' weights new rollouts may aim (expected_version <= version + bound)."""
+        with self._lock:
+            s = self.state
+            return {**asdict(s), "expected_version": self.expected_version(), "bound": self.eta,
+                    "max_concurrent": self.max_concurrent}  # fmt: skip
 
     def allocate_rollout(self) -> bool:
         """Grant one more rollout now, or refuse (too many running, too stale, or enough produced)."""

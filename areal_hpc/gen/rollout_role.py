@@ -27,6 +27,7 @@ from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker, used_pro
 
 logger = logging.getLogger("rollout")
 VERSION_POLL_SECS = 0.05
+COUNTERS_SECS = 1.0  # how often the manager's counters are written for `areal-hpc status`
 
 
 def run(ctx: RunContext) -> None:
@@ -56,13 +57,17 @@ def run(ctx: RunContext) -> None:
         for t in threads:
             t.start()
         logger.info("%d rollout workers, %d threads, %d servers", n_workers, len(threads), len(clients))
-        start = time.monotonic()
+        start = shown = time.monotonic()
         try:
             while (why := why_stop(ctx.run, time.monotonic() - start)) is None and not stop.is_set():
                 published = fsio.read_json(ctx.run.published_version)
                 if published:
                     manager.set_version(published["version"])
+                if time.monotonic() - shown > COUNTERS_SECS:
+                    fsio.write_json(ctx.run.generation, manager.counters())
+                    shown = time.monotonic()
                 time.sleep(VERSION_POLL_SECS)
+            fsio.write_json(ctx.run.generation, manager.counters())
         finally:
             stop.set()
             for t in threads:

@@ -9,10 +9,11 @@ local      `areal-hpc run`: every role as a local process, supervised, restarted
 sbatch     the job script of a plan (slurm_templates/job.sh.j2; pure)
 slurm      submitit with heterogeneous jobs; sacct, scancel
 submit     `areal-hpc submit` and `submit --recover`
-runs       find, list, status, stop, logs of submitted runs
+runs       find, list, stop, logs of submitted runs
+run_status what `areal-hpc status` shows of a run, once or live (--watch)
 """
 
-from areal_hpc.launch import runs, submit
+from areal_hpc.launch import run_status, runs, submit
 from areal_hpc.launch.local import run_local
 
-__all__ = ["run_local", "runs", "submit"]
+__all__ = ["run_local", "run_status", "runs", "submit"]

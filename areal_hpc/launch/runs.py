@@ -1,4 +1,4 @@
-"""Submitted runs as a user sees them: find, list, status, stop, logs (`areal-hpc status|stop|logs|list`)."""
+"""Submitted runs as a user sees them: find, list, stop, logs (`areal-hpc list|stop|logs`; status: run_status)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import TextIO
 
 from areal_hpc.config import ExperimentConfig, load_config
-from areal_hpc.control import RunDir, fsio, get_status, user_root
+from areal_hpc.control import RunDir, fsio, user_root
 from areal_hpc.launch import slurm
-from areal_hpc.monitor import progress_line
-from areal_hpc.recover import Checkpoints
 
 DEFAULT_FILEROOT = ExperimentConfig().cluster.fileroot
 
@@ -74,42 +72,6 @@ def slurm_jobs(run: RunDir) -> list[dict]:
 
 def job_ids(run: RunDir) -> list[str]:
     return [j["job_id"] for j in slurm_jobs(run)]
-
-
-def status_lines(run: RunDir) -> list[str]:
-    """Slurm state of each component, the run's own state, step, reward and ETA, and the newest recover
-    checkpoint."""
-    lines = [f"run {run.root}"]
-    for job in slurm_jobs(run):
-        states = slurm.component_states(job["job_id"])
-        for (component_id, state), name in zip(sorted(states.items()), job["components"], strict=False):
-            lines.append(f"  slurm job {component_id} ({name}): {state}")
-        if not states:
-            lines.append(f"  slurm job {job['job_id']}: not known to sacct yet")
-        if slurm.stuck(states):
-            lines.append(f"  stuck: it never starts again; requeue it: areal-hpc submit --recover {run.root}")
-    status = get_status(run)
-    if status is None:
-        lines.append("  run: not started")
-    else:
-        why = f" ({status.role}: {status.reason})" if status.reason else ""
-        lines.append(f"  run: {status.state}{why}")
-    progress = fsio.read_json(run.progress)
-    if progress:
-        lines.append("  " + progress_line(progress))
-    lines.append("  " + recover_line(run))
-    return lines
-
-
-def recover_line(run: RunDir) -> str:
-    """The newest recover checkpoint (by name: checking its files is the resuming controller's job)."""
-    ckpts = Checkpoints(run.recover)
-    steps = ckpts.steps()
-    if not steps:
-        return "recover checkpoint: none yet"
-    path = ckpts.path(steps[-1])
-    age = time.time() - path.stat().st_mtime
-    return f"recover checkpoint: global step {steps[-1]}, written {age / 60:.0f} min ago ({path})"
 
 
 def stop(run: RunDir, timeout: float = 60.0) -> dict[str, str]:
