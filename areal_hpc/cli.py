@@ -91,8 +91,25 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         ns.model_path, ns.output_path, tuple(n for n in ns.data_names.split(",") if n), ns.data_dir,
         ns.max_gen_tokens, ns.n_sampling, ns.temperature, ns.top_p, ns.top_k, ns.n_servers, seed=ns.seed,
     )  # fmt: skip
+    if ns.submit is not None:
+        return submit_eval(opts, ns.submit)
     print(results_table(evaluate(opts)))
     print(f"results: {Path(ns.output_path) / 'results.json'}")
+    return 0
+
+
+def submit_eval(opts, config_args: list[str]) -> int:
+    """`eval --submit`: the same evaluation as a Slurm job on the generation partition of the config's
+    cluster.slurm (account, QoS, setup commands), one GPU per server; returns once it is queued."""
+    from areal_hpc.eval import evaluate, make_executor, outside_this_job
+
+    opts.load_sets()  # a bad set is refused here, not in the queue
+    cfg = load_config([a for a in config_args if "=" not in a], [a for a in config_args if "=" in a])
+    executor = make_executor(cfg, Path(opts.output_path) / "slurm", local=False, n_gpus=opts.n_servers)
+    with outside_this_job():
+        job = executor.submit(evaluate, opts)
+    print(f"submitted Slurm job {job.job_id} (partition {cfg.cluster.slurm.gen_partition})")
+    print(f"results: {Path(opts.output_path) / 'results.json'} once it ends; its log: {job.paths.stdout}")
     return 0
 
 
@@ -214,6 +231,11 @@ def add_eval_parser(verbs) -> None:
         "--n_servers", type=int, default=1, help="generation servers, one per GPU (questions spread)"
     )
     ev.add_argument("--seed", type=int, default=0, help="seed of the samples")
+    ev.add_argument(
+        "--submit", nargs="*", metavar="CONFIG|key=value",
+        help="run it as a Slurm job instead, with the cluster.slurm settings of these config files and "
+        "overrides (partition: cluster.slurm.gen_partition; time limit: eval.time_limit_mins)",
+    )  # fmt: skip
     ev.set_defaults(func=cmd_eval)
 
 

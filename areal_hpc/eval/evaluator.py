@@ -71,6 +71,10 @@ class EvalOptions:
         if problems:
             raise InputError("; ".join(problems))
 
+    def load_sets(self) -> dict[str, list]:
+        """The questions of each set, by name (EvalDataError names the file and line of a bad one)."""
+        return {name: load_eval_set(name, self.data_dir) for name in self.data_names}
+
     def sampling(self) -> dict:
         return {"max_new_tokens": self.max_gen_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "n": self.n_sampling}  # fmt: skip
@@ -135,7 +139,7 @@ def evaluate(opts: EvalOptions) -> dict[str, dict[str, float]]:
     from transformers import AutoTokenizer
 
     out = Path(opts.output_path)
-    sets = {name: load_eval_set(name, opts.data_dir) for name in opts.data_names}  # bad input before any work
+    sets = opts.load_sets()  # bad input before any work
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(opts.model_path)
     token_file = out / ".token"  # the servers' bearer token, private to the user

@@ -9,10 +9,7 @@ checkpoints: the checkpoints not evaluated yet are evaluated again after a resta
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,51 +18,11 @@ import submitit
 
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import RunDir
-from areal_hpc.eval import EvalOptions, evaluate
+from areal_hpc.eval import EvalOptions, evaluate, outside_this_job
 from areal_hpc.monitor import StatsLog
 
 logger = logging.getLogger("master")
 POLL_SECS = 2.0
-
-
-def make_executor(cfg: ExperimentConfig, folder: Path, local: bool) -> submitit.Executor:
-    """Where an evaluation job runs: a local process, or a Slurm job on the generation partition."""
-    ev, slurm = cfg.eval, cfg.cluster.slurm
-    if local:
-        executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(timeout_min=ev.time_limit_mins)
-        return executor
-    python = slurm.python or sys.executable
-    executor = submitit.SlurmExecutor(folder=folder, python=f"{slurm.command_prefix or ''} {python}".strip())
-    extra = {k: v for k, v in (("account", slurm.account), ("qos", slurm.qos)) if v}
-    for line in slurm.extra_sbatch_lines:  # '--reservation=x', '--exclusive'
-        key, _, value = line.strip().removeprefix("--").partition("=")
-        extra[key] = value or True
-    executor.update_parameters(
-        partition=slurm.gen_partition, time=ev.time_limit_mins, nodes=1, ntasks_per_node=1,
-        gpus_per_node=ev.n_gpus,
-        cpus_per_task=slurm.cpus_per_gpu * ev.n_gpus, mem=f"{slurm.mem_per_gpu_gb * ev.n_gpus}G",
-        constraint=slurm.constraint, exclude=slurm.exclude, setup=list(slurm.setup_commands),
-        job_name=f"{cfg.experiment_name}-eval", additional_parameters=extra,
-    )  # fmt: skip
-    return executor
-
-
-@contextlib.contextmanager
-def _outside_this_job():
-    """The environment without this job's Slurm variables (SLURM_CONF kept): sbatch and the new job's srun
-    would take them for their own (a heterogeneous job's make srun refuse to start)."""
-    saved = {
-        k: v
-        for k, v in os.environ.items()
-        if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"
-    }
-    for key in saved:
-        del os.environ[key]
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 class CheckpointEvals:
@@ -116,7 +73,7 @@ class CheckpointEvals:
                 checkpoint, str(self.run.eval_results(step)), tuple(ev.data_names), ev.data_dir,
                 ev.max_gen_tokens, ev.n_sampling, ev.temperature, ev.top_p, ev.top_k, ev.n_gpus, seed=self.cfg.seed,
             )  # fmt: skip
-            with _outside_this_job():
+            with outside_this_job():
                 job = self.executor.submit(self.job, opts)
         except Exception as exc:
             logger.warning("evaluation of %s (step %d) not submitted: %s", checkpoint, step, exc)

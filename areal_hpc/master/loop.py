@@ -17,9 +17,10 @@ import numpy as np
 from areal_hpc.config import ExperimentConfig, mfc_spec
 from areal_hpc.control import RunDir, fsio
 from areal_hpc.data import PromptDataset, read_batch, read_keys
+from areal_hpc.eval import make_executor
 from areal_hpc.master.buffer import Buffer, SampleMeta
 from areal_hpc.master.checkpoint import Checkpointer
-from areal_hpc.master.checkpoint_evals import CheckpointEvals, make_executor
+from areal_hpc.master.checkpoint_evals import CheckpointEvals
 from areal_hpc.master.counter import make_counter
 from areal_hpc.master.dispatch import refs_payload, split_by_rank
 from areal_hpc.master.evaluate import HeldoutEval
