@@ -58,3 +58,23 @@ def test_on_slurm_each_checkpoint_is_evaluated_by_a_job_on_the_generation_partit
     assert [r["step"] for r in evals] == [1], (sub.run.root / "logs").glob("**/controller.log")
     (script,) = (sub.run.evals / "jobs").glob("*_submission.sh")
     assert "#SBATCH --partition=gen" in script.read_text()
+
+
+def test_evaluations_unfinished_at_a_recover_checkpoint_run_again_after_a_restart(toy, tmp_path):
+    def cheap_evaluation(opts) -> dict:  # which checkpoints get evaluated is tested here, not how
+        return {"math_500": {"greedy_acc": 50.0, "num_questions": 20}}  # (a local function: pickled whole)
+
+    cfg = toy.config("evals-restart", 2, *EVAL, "eval.max_concurrent_jobs=1")
+    stats = StatsLog(tmp_path / "stats.jsonl")
+    before = CheckpointEvals(cfg, run_dir_of(cfg), stats, submitit.LocalExecutor(folder=tmp_path / "a"))
+    before.submit(1, toy.model_dir)  # started
+    before.submit(2, toy.model_dir)  # waits for a free slot
+    state = before.state_dict()  # ... in a recover checkpoint; then the run dies, and its jobs with it
+    before.running[1][1].cancel(check=False)
+    assert state["pending"] == [[1, str(toy.model_dir)], [2, str(toy.model_dir)]]
+    after = CheckpointEvals(
+        cfg, run_dir_of(cfg), stats, submitit.LocalExecutor(folder=tmp_path / "b"), job=cheap_evaluation
+    )
+    after.load_state_dict(state)
+    after.finish(timeout=120)
+    assert [r["step"] for r in read_stats(stats.path)] == [1, 2] and after.done == {1, 2}
