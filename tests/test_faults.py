@@ -109,8 +109,8 @@ def toy_job(slurm_env, tmp_path, tiny_model_dir, tiny_build):
 
 @pytest.mark.parametrize(
     "role, name",
-    [
-        ("trainer", "trainer-kill"),
+    [  # all slow: test_slurm_requeue.py kills a trainer in `make test`
+        pytest.param("trainer", "trainer-kill", marks=pytest.mark.slow),
         pytest.param("controller", "controller-kill", marks=pytest.mark.slow),
         pytest.param("gen_server", "gen-server-kill", marks=pytest.mark.slow),
     ],
