@@ -140,7 +140,9 @@ def test_sigterm_to_every_role_checkpoints_the_last_finished_step_and_the_next_a
     assert_exactly_once(run, 5, 4)
 
 
-@pytest.mark.parametrize("victim", ["trainer0", "gen_server0"])
+# A killed trainer: also test_a_killed_tensor_parallel_megatron_trainer... below, and on Slurm
+# test_slurm_requeue.py; its plain variant runs with the slow tests.
+@pytest.mark.parametrize("victim", [pytest.param("trainer0", marks=pytest.mark.slow), "gen_server0"])
 def test_a_killed_trainer_or_server_is_restarted_and_the_run_completes(toy, victim):
     cfg = toy.config(f"kill-{victim.replace('_', '-')}", 4, "exp_ctrl.ckpt_freq_steps=1", "recover_after=0")
     killer = kill_at_step(run_dir_of(cfg), victim, 2)
