@@ -13,7 +13,7 @@ from areal_hpc.control.manifest import write_manifest
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient
-from areal_hpc.gen.partial import continuation_params, generate_group
+from areal_hpc.gen.partial import continuation_params, from_response, generate_group, version_of
 
 TOKEN = "partial-test-token"
 PROMPT = [5, 9, 2, 7]
@@ -113,3 +113,16 @@ def test_without_interruption_an_update_waits_for_running_answers(client, tiny_m
     (answers,) = box  # finished on the old weights, never interrupted
     assert all((a.version_start, a.version_end, a.n_parts, a.finish) == (0, 0, 1, "length") for a in answers)
     assert client.generate(PROMPT, {"max_new_tokens": 2})[0]["meta_info"]["weight_version"] == "1"
+
+
+def test_weight_versions_are_read_from_sglang_string_labels():
+    assert [version_of(label) for label in ("0", "7", "default", None)] == [0, 7, 0, 0]
+    with pytest.raises(ValueError, match="'v7' is not a label this run gives its weights"):
+        version_of("v7")
+
+
+def test_a_request_aborted_in_the_waiting_queue_is_an_empty_part_to_continue():
+    # SGLang's answer to a request aborted before it ran: no tokens, no logprobs, no prompt_tokens.
+    meta = {"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "weight_version": "3"}
+    part = from_response({"output_ids": [], "meta_info": meta})
+    assert part.interrupted and part.output_ids == () and part.version_start == 3

@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,64 @@ def test_token_file_must_be_private(tmp_path):
     os.chmod(secret, 0o640)
     with pytest.raises(ServerSetupError):
         read_token(secret)
+
+
+def test_a_failed_update_without_abort_leaves_the_server_serving(client, tmp_path):
+    with pytest.raises(GenServerError, match="HTTP 400"):
+        client.update_weights_from_disk(str(tmp_path / "missing"), abort_all_requests=False)
+    # It used to admit nothing more after such a failure while /health said 200: every /generate hung.
+    assert client.generate([3, 1, 4], GREEDY, timeout=30)[0]["output_ids"]
+
+
+def test_it_accepts_what_sglang_accepts(client, tiny_model_dir, tmp_path):
+    # AReaL-lite's generate body as it sends it: image_data, neutral penalties.
+    status, answer = post_raw(client, "/generate", json.dumps({
+        "input_ids": [3, 1, 4], "image_data": None, "return_logprob": True, "stream": False,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 100000000,
+                            "ignore_eos": False, "skip_special_tokens": True, "frequency_penalty": 0.0},
+    }).encode())  # fmt: skip
+    assert status == 200 and len(answer["output_ids"]) <= 4
+    status, answer = post_raw(client, "/generate", b'{"input_ids": [1], "sampling_params": {"min_p": 0.1}}')
+    assert status == 400 and answer["error"]["field"] == "sampling_params.min_p"  # not neutral: refused
+    # /health_generate needs no key; an update without a version keeps the server's.
+    assert GenClient(client.url, None)._call("GET", "/health_generate", None) in (None, {})
+    version = client.model_info()["weight_version"]
+    plain = shutil.copytree(tiny_model_dir, tmp_path / "plain")  # a plain HF directory: no manifest
+    assert client.update_weights_from_disk(str(plain))["weight_version"] == version
+
+
+def test_master_port_may_come_as_a_string(client):
+    # AReaL-lite sends it so; the join itself fails here (nobody serves the store), after the body is taken.
+    status, answer = post_raw(client, "/init_weights_update_group", json.dumps({
+        "master_address": "127.0.0.1", "master_port": "1", "rank_offset": 1, "world_size": 2,
+        "group_name": "g", "backend": "gloo", "timeout_secs": 1,
+    }).encode())  # fmt: skip
+    assert status == 400 and "failed to join weight update group 'g'" in answer["message"]
+
+
+def test_the_client_decodes_answers_that_come_without_text(tiny_tokenizer):
+    # SGLang launched with --skip-tokenizer-init (as AReaL launches it) sends no text: this is its answer.
+    ids = tiny_tokenizer.encode("7 + 1 = 8")
+    meta = {"finish_reason": {"type": "length", "length": len(ids)}, "weight_version": "0",
+            "prompt_tokens": 2, "completion_tokens": len(ids)}  # fmt: skip
+    reply = json.dumps({"output_ids": ids, "meta_info": meta}).encode()
+
+    class SkipTokenizerInit(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), SkipTokenizerInit)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        (answer,) = GenClient(url, None, tokenizer=tiny_tokenizer).generate([1, 2], {"max_new_tokens": 8})
+    finally:
+        httpd.shutdown()
+    assert answer["text"] == tiny_tokenizer.decode(ids, skip_special_tokens=True) and answer["text"]

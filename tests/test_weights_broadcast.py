@@ -136,6 +136,24 @@ def test_broadcast_swaps_the_weights_between_steps_and_sets_the_version(client, 
     )
 
 
+def test_without_interruption_generation_waits_in_place_for_every_bucket(client, tiny_model_dir):
+    # interruptible_generation: false. The running answer is not cut: it pauses while the buckets arrive (no
+    # half-updated model serves between two of them) and ends on the new weights under the one new version.
+    handlers = perturbed_trainer(tiny_model_dir, seed=3)
+    publisher = BroadcastPublisher(
+        LocalTrainer(handlers), [client], timeout=60, bucket_bytes=64 * 1024, abort_all_requests=False
+    )
+    publisher.setup()
+    running, box = in_thread(client.generate, [2, 7, 1], {**LONG, "max_new_tokens": 300})
+    wait_running(client)
+    publisher.publish(9)
+    running.join(60)
+    (answer,) = box[0]
+    assert answer["meta_info"]["finish_reason"]["type"] == "length" and len(answer["output_ids"]) == 300
+    assert answer["meta_info"]["weight_version"] == "9" and not client.server_info()["paused"]
+    check_greedy_under(handlers.engines["actor"].model, client.generate(PROMPT, GREEDY)[0])
+
+
 def test_a_sync_that_never_comes_times_out_and_the_server_still_serves(client, tiny_model_dir):
     trainer = LocalTrainer(perturbed_trainer(tiny_model_dir, seed=1), send=False)
     publisher = BroadcastPublisher(trainer, [client], timeout=3)

@@ -19,6 +19,7 @@ from areal_hpc.control.heartbeat import Heartbeat, dead_workers, last_beat
 from areal_hpc.control.ledger import Ledger, LedgerRecord
 from areal_hpc.control.mailbox import Inbox, Mailbox, RemoteError, ReplyTimeout, Request
 from areal_hpc.control.manifest import (
+    MANIFEST,
     SnapshotError,
     read_manifest,
     sha256_file,
@@ -46,6 +47,7 @@ from areal_hpc.control.status import (
 from areal_hpc.control.worker import WorkerServer
 
 __all__ = [
+    "MANIFEST",
     "ABORTED",
     "COMPLETE",
     "EXIT_PERMANENT",

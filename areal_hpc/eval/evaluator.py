@@ -150,7 +150,7 @@ def evaluate(opts: EvalOptions) -> dict[str, dict[str, float]]:
         for i in range(opts.n_servers):
             spec = ServerSpec(opts.model_path, token_file, device=_device(i), seed=opts.seed + i)
             servers.append(start_server(opts.backend, spec))
-        clients = [GenClient(s.url, token_file.read_text()) for s in servers]
+        clients = [GenClient(s.url, token_file.read_text(), tokenizer=tokenizer) for s in servers]
         for client in clients:
             client.wait_healthy(600)
         with MathVerifier() as verifier:

@@ -23,11 +23,15 @@ class GenServerError(RuntimeError):
         self.url, self.route, self.status, self.message = url, route, status, message
 
 
-class GenClient:
-    """Calls one generation server at ``url`` with the run's bearer ``token``."""
+SECS_PER_TOKEN = 0.1  # the slowest decoding a /generate call waits for (10 tokens/s per answer)
 
-    def __init__(self, url: str, token: str | None, timeout: float = 600.0):
-        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+
+class GenClient:
+    """Calls one generation server at ``url`` with the run's bearer ``token``. With a ``tokenizer``, an
+    answer without ``text`` (SGLang with --skip-tokenizer-init, as AReaL launches it) gets it decoded here."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = 600.0, tokenizer=None):
+        self.url, self.token, self.timeout, self.tokenizer = url.rstrip("/"), token, timeout, tokenizer
 
     # --- generation ---------------------------------------------------------------------------------------
 
@@ -41,16 +45,23 @@ class GenClient:
         text: str | list[str] | None = None,
         timeout: float | None = None,
     ) -> list[dict]:
-        """Generate for one prompt or a list of prompts (or ``text``); always a list, prompt-major, n each."""
-        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        """Generate for one prompt or a list of prompts (or ``text``); always a list, prompt-major, n each.
+        The timeout grows with max_new_tokens: a long answer at a slow but working server is no failure."""
+        params = sampling_params or {}
+        body: dict[str, Any] = {"sampling_params": params, "return_logprob": return_logprob}
         if input_ids is not None:
             body["input_ids"] = input_ids
         if text is not None:
             body["text"] = text
         if rid is not None:
             body["rid"] = rid
-        result = self._call("POST", "/generate", body, timeout)
-        return result if isinstance(result, list) else [result]
+        budget = self.timeout + SECS_PER_TOKEN * (params.get("max_new_tokens") or 0)
+        result = self._call("POST", "/generate", body, timeout or budget)
+        responses = result if isinstance(result, list) else [result]
+        for r in responses:
+            if "text" not in r and self.tokenizer is not None:
+                r["text"] = self.tokenizer.decode(r["output_ids"], skip_special_tokens=True)
+        return responses
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
         """Abort request ``rid``, or every request; they answer with what they have and finish reason abort."""

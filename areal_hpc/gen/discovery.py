@@ -21,10 +21,15 @@ def withdraw(path: Path) -> None:
         fsio.remove(path)
 
 
-def clients(run: RunDir, n_servers: int, timeout: float = START_TIMEOUT_SECS) -> list[GenClient]:
-    """A client of each of the run's `n_servers` servers, once each announced itself."""
+def clients(
+    run: RunDir, n_servers: int, tokenizer=None, timeout: float = START_TIMEOUT_SECS
+) -> list[GenClient]:
+    """A client of each of the run's `n_servers` servers, once each announced itself (`tokenizer`: decodes
+    the answers of servers that send no text)."""
     token = run.token()
-    return [GenClient(wait_address(run, i, timeout)["url"], token) for i in range(n_servers)]
+    return [
+        GenClient(wait_address(run, i, timeout)["url"], token, tokenizer=tokenizer) for i in range(n_servers)
+    ]
 
 
 def wait_address(run: RunDir, index: int, timeout: float) -> dict:

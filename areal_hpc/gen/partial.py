@@ -38,14 +38,26 @@ class PartialAnswer:
         return self.finish != "stop"
 
 
+def version_of(label) -> int:
+    """The weight version a response was generated with: SGLang reports a string, the label of our version
+    number we sent with the weights ("0" at launch, `--weight-version 0`); "default" is SGLang's label when
+    it was launched without one and never updated."""
+    if label is None or label == "default":
+        return 0
+    if not str(label).isdigit():
+        raise ValueError(f"weight_version {label!r} is not a label this run gives its weights")
+    return int(label)
+
+
 def from_response(response: dict) -> PartialAnswer:
-    """The first part of an answer, from one /generate response object."""
+    """The first part of an answer, from one /generate response object (a request aborted while still
+    queued has no tokens, and SGLang then sends no logprobs)."""
     meta = response["meta_info"]
     ids = tuple(int(t) for t in response["output_ids"])
-    logprobs = tuple(float(item[0]) for item in meta["output_token_logprobs"])
+    logprobs = tuple(float(item[0]) for item in meta.get("output_token_logprobs") or ())
     if len(ids) != len(logprobs):
         raise ValueError(f"server returned {len(ids)} tokens but {len(logprobs)} logprobs")
-    version = int(meta.get("weight_version") or 0)
+    version = version_of(meta.get("weight_version"))
     return PartialAnswer(
         ids, logprobs, meta["finish_reason"]["type"], version, version, ((len(ids), version),)
     )

@@ -30,7 +30,7 @@ def run(ctx: RunContext) -> None:
     heldout = None
     if ds.valid_path:
         heldout = load_prompt_dataset(ds.valid_path, tokenizer, ds.max_prompt_len, ds.apply_chat_template)
-    clients = discovery.clients(run, len(ctx.allocation.gen_servers()))
+    clients = discovery.clients(run, len(ctx.allocation.gen_servers()), tokenizer)
     trainers = TrainerGroup(run, ctx.allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
     graph = build_graph(cfg, trainer_only=True)

@@ -94,8 +94,8 @@ class BroadcastPublisher:
     """Publishes through a weight group of trainer rank 0 and every server; set up at the first publish.
 
     ``trainers`` needs ``call_one(rank, type, payload, timeout)`` (``TrainerGroup``); ``clients`` are
-    ``GenClient``s, one rank each. ``abort_all_requests=False``: no interruption; each server lets its
-    running requests finish on the old weights before it receives the new ones, and holds new requests.
+    ``GenClient``s, one rank each. ``abort_all_requests=False``: no interruption; generation is paused in
+    place while the buckets arrive, and running requests go on with the new weights.
     """
 
     def __init__(
@@ -148,10 +148,14 @@ class BroadcastPublisher:
             stats["timeperf/weight_group_init"] = self.setup()
         start, call_t, all_t = time.monotonic(), self.timeout + MARGIN_S, self.timeout + 2 * MARGIN_S
         servers = {server_name(i, c): c for i, c in enumerate(self.clients)}
-        if self.abort_all:  # interrupt: running requests return what they have (finish reason abort)
-            pause = {n: lambda c=c: c.pause_generation("abort") for n, c in servers.items()}
-            run_all(pause, call_t, "pausing generation")
-        # else each server lets its running requests finish before it receives (and holds new ones)
+        # Interrupt: running requests return what they have (finish reason abort). Else they wait in place and
+        # go on with the new weights: no half-updated model serves between two buckets.
+        mode = "abort" if self.abort_all else "in_place"
+        run_all(
+            {n: lambda c=c: c.pause_generation(mode) for n, c in servers.items()},
+            call_t,
+            "pausing generation",
+        )
         tasks: dict[str, Callable[[], Any]] = {  # every rank gathers, rank 0 sends
             TRAINER: lambda: self.trainers.call_each("broadcast_weights", {"version": version}, call_t)[0]
         }
@@ -162,18 +166,18 @@ class BroadcastPublisher:
         except WeightSyncError:
             self.buckets = None  # the group is unusable now
             raise
-        if self.abort_all:
-            run_all({n: c.continue_generation for n, c in servers.items()}, call_t, "continuing generation")
+        run_all({n: c.continue_generation for n, c in servers.items()}, call_t, "continuing generation")
         stats["timeperf/weight_sync"] = time.monotonic() - start
         stats["weight_sync/bytes"] = float(results[TRAINER]["bytes"])
         return stats
 
     def _update_server(self, client, version: int) -> None:
         last = len(self.buckets) - 1
-        for i, bucket in enumerate(self.buckets):
+        for i, bucket in enumerate(self.buckets):  # the version set once, with the last bucket
             client.update_weights_from_distributed(
-                **bucket, group_name=self.group_name, weight_version=str(version), flush_cache=i == last,
-                abort_all_requests=self.abort_all, load_format=FLATTENED, timeout=self.timeout + MARGIN_S,
+                **bucket, group_name=self.group_name, weight_version=str(version) if i == last else None,
+                flush_cache=i == last, abort_all_requests=self.abort_all, load_format=FLATTENED,
+                timeout=self.timeout + MARGIN_S,
             )  # fmt: skip
 
 

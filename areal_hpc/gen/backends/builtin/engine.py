@@ -18,12 +18,13 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_hpc.control import verify_snapshot
+from areal_hpc.control import MANIFEST, verify_snapshot
 from areal_hpc.gen.backends.builtin import kv
 from areal_hpc.gen.backends.builtin.batch import Batch, Row
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
@@ -223,11 +224,13 @@ class Engine:
         self._call(lambda: setattr(self, "_paused", False))
 
     def update_weights(self, model_path: str, weight_version: Any = None, abort_all: bool = True) -> str:
-        """Load new weights from an HF snapshot folder (refused without a valid manifest) and swap them in
-        between two decode steps; returns the new version."""
+        """Load new weights from an HF directory and swap them in between two decode steps; returns the
+        version. A snapshot of ours is checked against its manifest first (a plain HF directory, as SGLang
+        takes, loads as it is)."""
 
         def load() -> Callable[[], None]:
-            verify_snapshot(model_path)
+            if (Path(model_path) / MANIFEST).exists():
+                verify_snapshot(model_path)
             model = load_model(str(model_path), self.device, self.dtype)
 
             def apply() -> None:
@@ -273,24 +276,30 @@ class Engine:
         return self._update(load, weight_version, abort_all)
 
     def _update(self, load: Callable[[], Callable[[], None]], weight_version: Any, abort_all: bool) -> str:
-        """One weight update at a time: ``load()`` off the engine thread, then its result applied on it."""
+        """One weight update at a time: ``load()`` off the engine thread, then its result applied on it.
+
+        As SGLang: without abort_all, running requests finish first and new ones wait, unless generation is
+        paused (then the update goes ahead, and paused requests continue on the new weights); the version is
+        the one sent, else the current one."""
         with self._update_lock:
-            if not abort_all:  # SGLang's behaviour: running requests finish first, new ones wait
-                self._drain()
-            apply = load()  # slow: reading files or receiving tensors
-
-            def swap() -> str:
-                if abort_all:
-                    self._abort_now(lambda req: True, "aborted for a weight update")
-                apply()
-                self._draining = False
-                self.weight_version = _next_version(self.weight_version, weight_version)
-                return self.weight_version
-
             try:
+                if not abort_all and not self._paused:
+                    self._drain()
+                apply = load()  # slow: reading files or receiving tensors
+
+                def swap() -> str:
+                    if abort_all:
+                        self._abort_now(lambda req: True, "aborted for a weight update")
+                    apply()
+                    if weight_version is not None:
+                        self.weight_version = str(weight_version)
+                    return self.weight_version
+
                 return self._call(swap)
-            finally:
-                self._draining = False
+            finally:  # a failed load too: requests are admitted again
+                with self._cond:
+                    self._draining = False
+                    self._cond.notify_all()
 
     def _drain(self, poll: float = 0.01) -> None:
         """Stop admitting rows and wait until the running ones have finished."""
@@ -409,10 +418,3 @@ class Engine:
                 "healthy": self.healthy,
                 "stats": dict(self._batch.stats),
             }
-
-
-def _next_version(current: str, given: Any) -> str:
-    """The version named by the update, else the current one plus one (SGLang versions are strings)."""
-    if given is not None:
-        return str(given)
-    return str(int(current) + 1) if current.isdigit() else "1"

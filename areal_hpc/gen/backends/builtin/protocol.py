@@ -1,7 +1,8 @@
 """SGLang's ``/generate`` request and response format: parsing with errors that name the field, and output JSON.
 
-Only what the built-in server implements is accepted; an unknown or unsupported field is an error rather than
-silently ignored, so a client never believes a setting took effect when it did not.
+Sampling parameters the built-in server does not implement are refused unless they hold their neutral value
+(AReaL sends frequency_penalty 0), so a client never believes a setting took effect when it did not; top-level
+fields it does not use are ignored, as SGLang ignores them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ class RequestError(ValueError):
     def __init__(self, field: str | None, message: str):
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
+
+
+# SGLang's sampling parameters that change nothing at these values: accepted so, refused otherwise.
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0}
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,12 @@ class SamplingParams:
         stop = raw.get("stop")
         if stop not in (None, [], ""):
             raise RequestError(f"{where}.stop", "stop strings are not supported here; use stop_token_ids")
-        unknown = sorted(set(raw) - set(cls.__dataclass_fields__) - {"stop"})
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__) - {"stop"} - set(NEUTRAL))
         if unknown:
             raise RequestError(f"{where}.{unknown[0]}", "unsupported sampling parameter")
+        for key, neutral in NEUTRAL.items():
+            if key in raw and raw[key] != neutral:
+                raise RequestError(f"{where}.{key}", f"not implemented here; only {neutral} is accepted")
         f = _Fields(raw, where)
         params = cls(
             max_new_tokens=f.integer("max_new_tokens", 128, minimum=0, nullable=True),
@@ -109,10 +117,6 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"}
-GENERATE_FIELDS |= {"return_text_in_logprobs"}
-
-
 @dataclass(frozen=True)
 class GenerateInput:
     """A parsed ``/generate`` body: prompts as token ids; rid one string for all, one per prompt, or None."""
@@ -129,9 +133,8 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]] | None) -> Gene
     """Validate a ``/generate`` body; ``encode`` tokenizes ``text`` (None when the server has no tokenizer)."""
     if not isinstance(body, dict):
         raise RequestError(None, "the body must be a JSON object")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
-    if unknown:
-        raise RequestError(unknown[0], "unsupported field")
+    # Other top-level fields (image_data, lora_path, ...) are ignored, as SGLang ignores what it does not use;
+    # unknown sampling params are refused (SamplingParams), as SGLang refuses them.
     if body.get("stream"):
         raise RequestError("stream", "streaming is not supported by the built-in server")
     prompts, listed = _prompts(body, encode)

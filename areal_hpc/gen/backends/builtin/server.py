@@ -1,10 +1,11 @@
 """The built-in generation server: SGLang's HTTP API over the batched ``Engine``, stdlib ``http.server`` only.
 
-Routes (JSON bodies; every route but ``/health`` needs ``Authorization: Bearer <token>``)::
+Routes (JSON bodies; every route but ``/health*`` needs ``Authorization: Bearer <token>``; top-level fields
+a route does not use are ignored, as SGLang ignores them)::
 
     POST /generate                  SGLang's generate (input_ids or text, sampling_params, return_logprob, rid)
-    POST /update_weights_from_disk  {"model_path", "abort_all_requests", "weight_version"}; the folder must
-                                    hold a valid manifest.json (areal_hpc.control.manifest), else 400
+    POST /update_weights_from_disk  {"model_path", "abort_all_requests", "weight_version"}: an HF directory;
+                                    one with a manifest.json (our snapshots) must match it, else 400
     POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
                                     "group_name", "backend", "timeout_secs" (ours; SGLang has none)}
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",
@@ -14,7 +15,7 @@ Routes (JSON bodies; every route but ``/health`` needs ``Authorization: Bearer <
     POST /pause_generation          {"mode": "abort" | "in_place" | "retract"}
     POST /continue_generation
     POST|GET /flush_cache           no prefix cache here: always succeeds
-    GET  /health                    200 while serving, 503 when the engine stopped
+    GET  /health, /health_generate  200 while serving, 503 when the engine stopped
     GET  /model_info, /server_info  (also under SGLang's older names /get_model_info, /get_server_info)
 
 Usage::
@@ -57,7 +58,7 @@ from areal_hpc.weights import FLATTENED, FieldError, ReceiverGroups, metas_from_
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
-PUBLIC_ROUTES = {"/health"}
+PUBLIC_ROUTES = {"/health", "/health_generate"}  # as SGLang's: they never need the key
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 WEIGHT_SYNC_TIMEOUT_S = 300.0  # a weight group's waits, unless /init_weights_update_group gives timeout_secs
 
@@ -154,6 +155,8 @@ class App:
     def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
         """Join the weight group as rank ``rank_offset`` (this server has one rank); blocks until all joined."""
         address = _field(body, "master_address", str)
+        if isinstance(body.get("master_port"), str) and body["master_port"].isdigit():  # SGLang coerces it
+            body = {**body, "master_port": int(body["master_port"])}
         port, rank, world_size = (_field(body, k, int) for k in ("master_port", "rank_offset", "world_size"))
         name, backend = _group_name(body), body.get("backend", "nccl")
         timeout = body.get("timeout_secs", WEIGHT_SYNC_TIMEOUT_S)
