@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,11 +17,8 @@ from areal_hpc.config.schema import ExperimentConfig, TrainedModelConfig
 from areal_hpc.gen.client import GenClient, GenServerError
 from areal_hpc.train.backends.torch.engine import TorchEngine
 from areal_hpc.train.worker import TrainerHandlers
-from areal_hpc.weights.bucket import plan_buckets
 from areal_hpc.weights.group import GroupTimeout, WeightGroup, host_store
 from areal_hpc.weights.publisher import BroadcastPublisher, WeightSyncError
-from areal_hpc.weights.receiver import receive_bucket
-from areal_hpc.weights.sender import send_buckets, weight_metas
 from tests.test_gen_server import in_thread, wait_running
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,28 +183,6 @@ def test_bad_requests_name_the_field_and_an_unknown_group_fails_cleanly(client):
         client._succeed("/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1})
     with pytest.raises(GenServerError, match="HTTP 401"):
         GenClient(client.url, "wrong").destroy_weights_update_group("x")
-
-
-def test_send_and_receive_buckets_between_two_groups_of_one_process():
-    """The sender's and receiver's halves alone: rank 0 and rank 1 as two threads over gloo."""
-    weights = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(4), "b.weight": torch.randn(64, 8)}
-    buckets = plan_buckets(weight_metas(weights, torch.bfloat16), bucket_bytes=256)
-    store = host_store(0, 30)
-    rank0: list = []
-    joining = threading.Thread(target=lambda: rank0.append(WeightGroup(store, "pair", 0, 2, "gloo", 30)))
-    joining.start()
-    rank1 = WeightGroup.join("127.0.0.1", store.port, 1, 2, "pair", "gloo", 30)
-    joining.join(30)
-    sending = threading.Thread(target=lambda: rank0.append(send_buckets(rank0[0], weights, buckets)))
-    sending.start()
-    received = dict(pair for bucket in buckets for pair in receive_bucket(rank1, bucket))
-    sending.join(30)
-    assert rank0[1] == sum(2 * t.numel() for t in weights.values())  # bytes sent, in bfloat16
-    assert list(received) == ["a.weight", "a.bias", "b.weight"] and len(buckets) == 2
-    for name, tensor in weights.items():
-        assert received[name].dtype == torch.bfloat16 and torch.equal(received[name], tensor.bfloat16())
-    rank1.destroy()
-    rank0[0].destroy()
 
 
 def test_a_group_whose_peers_never_join_times_out_naming_it():

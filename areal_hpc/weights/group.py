@@ -1,14 +1,18 @@
 """The weight group: a torch.distributed process group of its own between the publishing trainer rank (rank 0)
-and every generation server rank (1..n), as SGLang's ``/init_weights_update_group`` builds it.
+and every generation server rank, made the way SGLang makes it (``init_custom_process_group``), so that our
+trainer meets a real SGLang server and our built-in server meets AReaL's trainer.
 
-It is made from a ``TCPStore`` that trainer rank 0 hosts at ``master_address:master_port`` and a backend object
-constructed directly (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on GPU, chosen by a string), so it
-needs no default process group and does not touch the trainer's: the server process has none, the trainer's
-default group keeps its own ranks. Only broadcasts from rank 0 are used.
+- A server rank joins through torch's ``rendezvous("tcp://ADDR:PORT", rank, world_size)``; trainer rank 0 serves
+  that TCPStore (``host_store``, any free port).
+- Both sides wrap the store in ``PrefixStore(group_name)`` and make the group with torch's
+  ``_new_process_group_helper`` (no global ranks), which adds its own prefixes (the group name, the device).
+- Ranks: 0 is the trainer; a server's TP ranks are ``rank_offset + tp_rank``; world = 1 + every TP rank of every
+  server (``server_ranks``).
 
-Every wait is bounded: joining by the store's timeout, each broadcast by polling its work object against a
-deadline. A timeout raises ``GroupTimeout`` naming the group, its size and the seconds; after any failure the
-group is unusable (its peers may be mid-broadcast) and must be destroyed and made again.
+It needs no default process group and does not touch the trainer's. Only broadcasts from rank 0 are used.
+Every wait is bounded: joining by the group's timeout (ours, not SGLang's 30 minutes), each broadcast by
+polling its work object against a deadline. A timeout raises ``GroupTimeout`` naming the group, its size and
+the seconds; after any failure the group is unusable (its peers may be mid-broadcast) and must be made again.
 
 gloo picks its network interface from the host name; set ``GLOO_SOCKET_IFNAME`` where that is wrong.
 gloo's group is made when every rank has joined; NCCL's communicator only at the first broadcast.
@@ -24,6 +28,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 log = logging.getLogger(__name__)
 
@@ -67,23 +72,48 @@ def host_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def connect_store(master_address: str, master_port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the store at ``master_address:master_port`` (the server side)."""
-    return dist.TCPStore(master_address, master_port, None, False, timedelta(seconds=timeout_s))
+def connect_store(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float):
+    """The server side: torch's rendezvous at ``tcp://master_address:master_port``, as SGLang joins."""
+    host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 address
+    url = f"tcp://{host}:{master_port}"
+    store, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timedelta(seconds=timeout_s)))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
-def _make_backend(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float):
-    if backend == "gloo":  # this timeout bounds the join; each broadcast passes its own (see broadcast)
-        return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+def server_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """The rank_offset of each server of TP sizes ``tp_sizes``, and the world size (rank 0: the trainer)."""
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+    return offsets, 1 + sum(tp_sizes)
+
+
+def _new_group(store: dist.Store, name: str, rank: int, world_size: int, backend: str, timeout_s: float):
+    """The process group over ``PrefixStore(name, store)``, made by torch's group helper as SGLang makes it."""
+    if backend not in BACKENDS:
+        raise GroupError(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}")
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise GroupError("backend nccl needs CUDA and a torch built with NCCL; use gloo on CPU")
+    # The backend's own op timeout is ours plus a margin: our message surfaces first.
+    timeout = timedelta(seconds=timeout_s + MARGIN_S[backend])
+    options = None
     if backend == "nccl":
-        if not (dist.is_nccl_available() and torch.cuda.is_available()):
-            raise GroupError("backend nccl needs CUDA and a torch built with NCCL; use gloo on CPU")
         options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-        options._timeout = timedelta(seconds=timeout_s + MARGIN_S["nccl"])
-        with _env(NCCL_ENV):  # read when the group is made
-            return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    raise GroupError(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}")
+        options.is_high_priority_stream, options._timeout = False, timeout
+    # No global ranks: torch makes it as a group of its own. (Were this process's default group bound to a
+    # device, torch would split the new NCCL group from it; the trainers' is not bound.)
+    with _env(NCCL_ENV if backend == "nccl" else {}):  # read when the group is made
+        pg, _ = c10d._new_process_group_helper(
+            world_size, rank, [], dist.Backend(backend), dist.PrefixStore(name, store), group_name=name,
+            backend_options=options, timeout=timeout,
+        )  # fmt: skip
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # as SGLang registers its group
+    return pg
+
+
+def _forget(pg) -> None:
+    """Drop a group from torch's registry, so that its name can be used again; the object itself stays."""
+    for table in (c10d._world.pg_names, c10d._world.pg_map, c10d._world.pg_group_ranks):
+        table.pop(pg, None)
 
 
 class WeightGroup:
@@ -105,7 +135,7 @@ class WeightGroup:
         self.store = store  # keep the store alive as long as the group (rank 0 serves it)
         start = time.monotonic()
         try:
-            self.pg = _make_backend(dist.PrefixStore(name, store), rank, world_size, backend, timeout_s)
+            self.pg = _new_group(store, name, rank, world_size, backend, timeout_s)
         except GroupError:
             raise
         except Exception as exc:  # DistStoreError, gloo connect errors: a peer never came or was unreachable
@@ -132,7 +162,7 @@ class WeightGroup:
     ) -> WeightGroup:
         """Join as ``rank`` through the store of rank 0 (the server side of ``/init_weights_update_group``)."""
         try:
-            store = connect_store(master_address, master_port, timeout_s)
+            store = connect_store(master_address, master_port, rank, world_size, timeout_s)
         except Exception as exc:
             raise GroupTimeout(
                 f"weight group {name!r}: cannot reach its store at {master_address}:{master_port} within "
@@ -197,5 +227,6 @@ class WeightGroup:
                 pg.abort()  # local: frees the communicator without waiting for the peers
             except Exception as exc:
                 log.debug("%s: abort: %s", self, exc)
+        _forget(pg)
         if failed:
             _GRAVEYARD.append(pg)

@@ -2,7 +2,7 @@
 
 ``BroadcastPublisher`` (``weight_update_mode: broadcast``): at the first publish, trainer rank 0 serves the
 store of a fresh weight group (request ``weight_group_store``), then every server joins it over HTTP
-(``/init_weights_update_group``, rank 1 + i) while trainer rank 0 joins as rank 0 (``init_weight_group``,
+(``/init_weights_update_group``: its TP ranks from ``rank_offset``) while trainer rank 0 joins as rank 0 (``init_weight_group``,
 which answers with the bucket plan). Each publish pauses generation (running requests end with finish reason
 abort and return their partial output), then the trainer ranks gather the weights and rank 0 broadcasts the
 buckets (``broadcast_weights``)
@@ -30,7 +30,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from areal_hpc.config import allocation_of
 from areal_hpc.control import read_manifest, snapshot_bytes
+from areal_hpc.weights.group import server_ranks
 from areal_hpc.weights.receiver import FLATTENED
 
 log = logging.getLogger(__name__)
@@ -105,8 +107,9 @@ class BroadcastPublisher:
         timeout: float = 300.0,
         bucket_bytes: int = 512 * 2**20,
         abort_all_requests: bool = True,
+        tp_size: int = 1,
     ):
-        self.trainers, self.clients = trainers, list(clients)
+        self.trainers, self.clients, self.tp_size = trainers, list(clients), tp_size
         self.timeout, self.bucket_bytes, self.abort_all = timeout, bucket_bytes, abort_all_requests
         self.group_name = f"areal-weights-{uuid.uuid4().hex[:8]}"
         self.buckets: list[dict] | None = None  # the plan, per bucket {"names", "dtypes", "shapes"}
@@ -123,13 +126,13 @@ class BroadcastPublisher:
             raise WeightSyncError(
                 f"opening weight group {self.group_name!r} failed: {TRAINER}: {exc}"
             ) from exc
-        world_size = 1 + len(self.clients)
+        offsets, world_size = server_ranks([self.tp_size] * len(self.clients))  # each TP rank receives
         join = {"world_size": world_size, "backend": store["backend"], "bucket_bytes": self.bucket_bytes}
         tasks: dict[str, Callable[[], Any]] = {
             TRAINER: lambda: self.trainers.call_one(0, "init_weight_group", join, call_t)
         }
         for i, client in enumerate(self.clients):
-            tasks[server_name(i, client)] = lambda c=client, rank=1 + i: c.init_weights_update_group(
+            tasks[server_name(i, client)] = lambda c=client, rank=offsets[i]: c.init_weights_update_group(
                 store["master_address"], store["master_port"], rank, world_size, self.group_name,
                 store["backend"], group_timeout=t, timeout=call_t,
             )  # fmt: skip
@@ -220,5 +223,7 @@ def make_publisher(cfg, run, trainers, clients: Sequence):
     if cfg.weight_update_mode == "disk":
         return DiskPublisher(run.weight_snapshot, trainers, clients, timeout, interrupt)
     if cfg.weight_update_mode == "broadcast":
-        return BroadcastPublisher(trainers, clients, timeout, cfg.weight_update_bucket_mb * 2**20, interrupt)
+        tp = allocation_of(cfg).gen_spec.tensor
+        bucket = cfg.weight_update_bucket_mb * 2**20
+        return BroadcastPublisher(trainers, clients, timeout, bucket, interrupt, tp_size=tp)
     raise ValueError(f"unknown weight_update_mode {cfg.weight_update_mode!r}")

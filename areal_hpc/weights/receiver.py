@@ -28,7 +28,7 @@ def receive_bucket(
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive one bucket broadcast as a flat buffer; ``(name, tensor)`` views into it."""
     flat = empty_buffer(bucket, device)
-    group.broadcast(flat, f"a bucket of {len(bucket)} tensors ({flat.nbytes} bytes)")
+    group.broadcast(flat.view(torch.uint8), f"a bucket of {len(bucket)} tensors ({flat.nbytes} bytes)")
     return unflatten(flat, bucket)
 
 

@@ -56,7 +56,7 @@ def send_buckets(
             bucket = buckets[next_bucket]
             flat = stager.flat(next_bucket, [held.pop(m.name) for m in bucket])
             what = f"bucket {next_bucket + 1}/{len(buckets)} ({len(bucket)} tensors, {flat.nbytes} bytes)"
-            group.broadcast(flat, what)
+            group.broadcast(flat.view(torch.uint8), what)  # SGLang receives a flattened bucket as bytes
             total += flat.nbytes
             next_bucket += 1
     if next_bucket < len(buckets):
