@@ -58,8 +58,15 @@ def _avg_band(ax, s: Series, name: str):
 
 
 def _reward(ax, s: Series) -> bool:
+    # The reward is the task reward scaled to +-reward_output_scaling: each on its own axis, so that both read.
+    # No min-max bands: with 0/1 task rewards they span the whole range at every step.
     ax.set(title="Reward", ylabel="reward")
-    return any([_avg_band(ax, s, name) for name in ("reward", "task_reward")])
+    drawn = [_curve(ax, s, "ppo_actor/reward/avg", "reward")]
+    if "ppo_actor/task_reward/avg" in s:
+        right = ax.twinx()
+        right.set_ylabel("task reward (share correct)")
+        drawn.append(_curve(right, s, "ppo_actor/task_reward/avg", "task reward", color="C1", linestyle="--"))
+    return any(drawn)
 
 
 def _lengths(ax, s: Series) -> bool:
