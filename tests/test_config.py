@@ -141,8 +141,8 @@ def test_malformed_override_and_yaml(tmp_path):
         (["allocation_mode=d8p1m1"], "colocated allocations are not implemented yet"),
         (["allocation_mode=manual"], "manual allocations are not implemented yet"),
         (
-            ["allocation_mode=sglang.d4p1m1+d4p1m1"],
-            "generation backend 'sglang' is not available (available: builtin)",
+            ["allocation_mode=vllm.d4p1m1+d4p1m1"],
+            "generation backend 'vllm' is not available (available: builtin, sglang)",
         ),
         (
             ["allocation_mode=builtin.d2p1m2+d4p1m1"],

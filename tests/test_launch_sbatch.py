@@ -37,6 +37,7 @@ CASES = {
     "qwen3-1.7b-32gpu": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
     "qwen3-1.7b-8gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-megatron.yaml"), ()),
     "qwen2.5-32b-64gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"), ()),
+    "qwen3-1.7b-8gpu-sglang": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-sglang.yaml"), ()),
 }
 
 

@@ -22,6 +22,7 @@ from areal_hpc.config.schema import (
     ModelConfig,
     OptimizerConfig,
     PPOConfig,
+    SGLangConfig,
     TrainedModelConfig,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "ConfigError",
     "DatasetConfig",
     "EvalConfig",
+    "SGLangConfig",
     "ExpCtrlConfig",
     "ExperimentConfig",
     "InputError",

@@ -30,6 +30,7 @@ TRAIN_BACKENDS = {
 }
 GEN_BACKENDS = {
     "builtin": Backend("areal_hpc.gen.backends.builtin"),
+    "sglang": Backend("areal_hpc.gen.backends.sglang", tensor_parallel=True),  # the `sglang` extra
 }
 
 MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama")  # the HF models the megatron backend builds

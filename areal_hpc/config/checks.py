@@ -118,6 +118,19 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
             f"(available: {', '.join(GEN_BACKENDS)})"
         ]
     out = []
+    if mode.gen_backend != "sglang":  # no option is taken that the code ignores
+        defaults = dataclasses.asdict(type(cfg.sglang)())
+        out += [
+            f"'sglang.{key}' is set, but the generation backend is {mode.gen_backend!r}: it applies to "
+            "allocation_mode sglang.* only"
+            for key, value in dataclasses.asdict(cfg.sglang).items()
+            if value != defaults[key]
+        ]
+    if mode.gen_backend == "sglang" and mode.gen.tensor > cfg.cluster.n_gpus_per_node:
+        out.append(
+            f"'allocation_mode': an SGLang server of tensor size {mode.gen.tensor} spans nodes of "
+            f"{cfg.cluster.n_gpus_per_node} GPUs; multi-node servers are not launched yet"
+        )
     if mode.gen.tensor > 1 and not gen.tensor_parallel:
         out.append(
             f"'allocation_mode': generation backend {mode.gen_backend!r} has no tensor parallelism: its 3D spec "

@@ -214,6 +214,19 @@ class EvalConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """Options of SGLang servers (allocation_mode sglang.*); the launch flags of SGLANG_API.md."""
+
+    mem_fraction_static: float = opt(
+        0.9, "Share of a GPU's memory SGLang takes for the weights and the KV cache.", gt=0, le=1
+    )
+    context_length: int | None = opt(
+        32768, "Longest sequence (prompt + answer) a server takes; null: the model's.", ge=1
+    )
+    log_level: str = opt("warning", "SGLang's log level.", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass
 class LoggingConfig:
     level: str = opt("INFO", "Log level of every role.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     progress: bool = opt(True, "`areal-hpc run` shows a progress line (step, reward, ETA) as steps finish.")
@@ -317,6 +330,7 @@ class ExperimentConfig:
     )
     exp_ctrl: ExpCtrlConfig = opt(ExpCtrlConfig, "When to save, checkpoint, evaluate and stop.")
     eval: EvalConfig = opt(EvalConfig, "Evaluation of the saved checkpoints (REFERENCE.md section 8).")
+    sglang: SGLangConfig = opt(SGLangConfig, "SGLang generation servers (allocation_mode sglang.*).")
     recover_mode: str = opt(
         "disabled",
         "auto: resume if a checkpoint exists; resume: must resume; fault: fresh, retries resume; disabled.",

@@ -17,14 +17,17 @@ logger = logging.getLogger("gen_server")
 WATCH_SECS = 1.0
 
 
-def server_spec(ctx: RunContext) -> ServerSpec:
-    """Server `ctx.index` of the generation layout: its model, its first GPU among those its step sees, its seed."""
+def server_spec(ctx: RunContext, visible: int | None = None) -> ServerSpec:
+    """Server `ctx.index` of the generation layout: its model, its first GPU among the `visible` ones its step
+    sees (default: CUDA's count), its seed."""
     cfg, tp = ctx.cfg, ctx.allocation.gen_spec.tensor
-    visible = torch.cuda.device_count()
+    visible = torch.cuda.device_count() if visible is None else visible
     device = f"cuda:{ctx.index * tp % visible}" if visible else "cpu"
+    sg = cfg.sglang
     return ServerSpec(
         model_path=cfg.actor.path, token_file=ctx.run.secret, host=ctx.bind_host, device=device, tp_size=tp,
-        seed=cfg.seed + ctx.index, max_running_requests=cfg.max_running_requests,
+        seed=cfg.seed + ctx.index, max_running_requests=cfg.max_running_requests, public_host=ctx.public_host,
+        mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length, log_level=sg.log_level,
     )  # fmt: skip
 
 

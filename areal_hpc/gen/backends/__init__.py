@@ -6,6 +6,7 @@ weight-update handshake (`areal_hpc.weights`: SGLang's weight group and routes).
 (config/backends.py names it) with one function, `start(spec: ServerSpec) -> Server`:
 
     builtin   the built-in server in this process (a transformers model; CPU or one GPU)
+    sglang    a real SGLang server, a child process on `tp_size` GPUs
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class ServerSpec:
     max_running_requests: int = 64  # samples decoded together (SGLang's option)
     weight_version: str = "0"  # before any update
     cpu_threads: int = 1  # torch's CPU threads (roles on one machine share its cores)
+    public_host: str = "127.0.0.1"  # the address clients reach it at (a child server's URL)
+    # SGLang's own (config.SGLangConfig):
+    mem_fraction_static: float = 0.9
+    context_length: int | None = 32768
+    log_level: str = "warning"
 
 
 class Server(Protocol):

@@ -1,0 +1,58 @@
+"""The SGLang backend's server command for the shipped SGLang config, pinned by a golden file
+(UPDATE_GOLDEN=1 rewrites it), and what validation says of SGLang options and layouts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import ConfigError, allocation_of, load_config
+from areal_hpc.control import RunContext, RunDir
+from areal_hpc.gen.backends.sglang import server_command
+from areal_hpc.gen.server_role import server_spec
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden" / "qwen3-1.7b-8gpu-sglang.servers.txt"
+LAYERS = ["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-sglang.yaml"]
+
+
+def commands(cfg) -> str:
+    """Each server's command as its gen_server task runs it: the step sees the node's 4 generation GPUs
+    (srun --gpus-per-node=4 in the golden sbatch file), ports pinned."""
+    run = RunDir(Path("/shared/runs") / cfg.experiment_name / "golden")
+    allocation = allocation_of(cfg)
+    lines = []
+    for i in range(len(allocation.gen_servers())):
+        ctx = RunContext(run, cfg, allocation, "gen_server", i, 4, attempt=0, local=False)
+        lines.append(
+            " ".join(server_command(server_spec(ctx, visible=4), 30000 + i, python="/opt/areal/bin/python"))
+        )
+    return "\n".join(lines) + "\n"
+
+
+def test_each_server_command_matches_the_golden_file():
+    cfg = load_config([REPO / "configs" / f for f in LAYERS], ["trial_name=golden"])
+    text = commands(cfg)
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), f"{GOLDEN} differs; UPDATE_GOLDEN=1 rewrites it after review"
+    first = text.splitlines()[0].split()
+    assert first[first.index("--token-file") + 1] == "/shared/runs/qwen3-1.7b-async/golden/secret"
+    assert "--api-key" not in first  # the key is read from the secret file in the child, off the command line
+
+
+def test_sglang_options_apply_to_sglang_servers_only():
+    with pytest.raises(
+        ConfigError, match="'sglang.mem_fraction_static' is set, but the generation backend is 'builtin'"
+    ):
+        load_config([REPO / "configs/toy-cpu.yaml"], ["sglang.mem_fraction_static=0.5"])
+
+
+def test_a_server_wider_than_a_node_is_refused():
+    with pytest.raises(ConfigError, match="an SGLang server of tensor size 16 spans nodes of 8 GPUs"):
+        load_config(
+            [REPO / "configs/qwen3-1.7b-8gpu.yaml"],
+            ["allocation_mode=sglang.d1p1m16+d16p1m1", "cluster.n_nodes=4"],
+        )
