@@ -32,9 +32,16 @@ venv: $(STAMP)
 tiny: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/build_tiny_model.py --out $(TINY) --seed 1
 
+# SGLang's source, for the contract test (tests/test_sglang_contract.py): read as text, never imported (its CUDA
+# dependencies cannot be installed here). The version is the `sglang` extra's.
+SGLANG_SRC ?= .cache/sglang-src
+$(SGLANG_SRC)/.installed: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps --target $(SGLANG_SRC) "$$(grep -o 'sglang==[0-9a-z.]*' pyproject.toml)"
+	touch $@
+
 # Lint first: a style slip fails CI as a test would. Tests marked slow (most fault injections) are left out;
 # the 25 slowest tests are listed at the end (the suite must stay well under 30 minutes).
-test: lint tiny
+test: lint tiny $(SGLANG_SRC)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=25
 
 # Faults injected into a toy run on the local Slurm cluster (tests/test_faults.py), the slow ones included.

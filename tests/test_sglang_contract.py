@@ -1,0 +1,152 @@
+"""What we send SGLang, checked against SGLang's own source (the pinned wheel, read as text: its CUDA
+dependencies cannot be installed here, so nothing of it is imported; `make test` unpacks it into
+.cache/sglang-src). Every flag the launcher emits is one of ServerArgs' arguments; every body the client sends
+to a route has only fields of the request class that route takes (FastAPI drops unknown ones silently) and all
+its required ones; every sampling parameter is one SGLang's SamplingParams takes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import load_config
+from areal_hpc.gen.client import GenClient
+from areal_hpc.gen.rollout import sampling_params
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = Path(os.environ.get("AREAL_SGLANG_SRC", REPO / ".cache" / "sglang-src")) / "sglang" / "srt"
+pytestmark = pytest.mark.skipif(not SRC.is_dir(), reason=f"{SRC} missing: `make test` unpacks sglang there")
+GOLDEN_COMMANDS = REPO / "tests" / "golden" / "qwen3-1.7b-8gpu-sglang.servers.txt"
+# Ours, and said so: the built-in server bounds its join by it; SGLang drops it (its group waits 30 minutes).
+OURS = {"/init_weights_update_group": {"timeout_secs"}}
+
+
+def tree(relative: str) -> ast.Module:
+    return ast.parse((SRC / relative).read_text())
+
+
+def cli_flags() -> set[str]:
+    """Every `--flag` ServerArgs.add_cli_args declares."""
+    return {
+        arg.value
+        for node in ast.walk(tree("server_args.py"))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "add_argument"
+        for arg in node.args
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--")
+    }
+
+
+def request_classes() -> dict[str, str]:
+    """Route -> the io_struct class its handler takes as `obj` (http_server.py's decorators)."""
+    routes = {}
+    for node in tree("entrypoints/http_server.py").body:
+        if not isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            continue
+        obj = next((a for a in node.args.args if a.arg == "obj"), None)
+        for deco in node.decorator_list:
+            if isinstance(deco, ast.Call) and getattr(deco.func, "attr", "") in ("post", "api_route") and obj:
+                routes[deco.args[0].value] = ast.unparse(obj.annotation)
+    return routes
+
+
+def class_fields(name: str) -> dict[str, bool]:
+    """Field -> required (no default) of an io_struct dataclass, its bases' included."""
+    classes = {n.name: n for n in tree("managers/io_struct.py").body if isinstance(n, ast.ClassDef)}
+    fields: dict[str, bool] = {}
+    stack = [classes[name]]
+    while stack:
+        cls = stack.pop()
+        stack += [classes[b.id] for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                fields.setdefault(stmt.target.id, stmt.value is None)
+    return fields
+
+
+def sampling_param_names() -> set[str]:
+    (cls,) = [
+        n
+        for n in tree("sampling/sampling_params.py").body
+        if isinstance(n, ast.ClassDef) and n.name == "SamplingParams"
+    ]
+    (init,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    return {a.arg for a in init.args.args[1:] + init.args.kwonlyargs}
+
+
+def test_every_flag_the_launcher_emits_is_one_of_sglang_server_args():
+    ours = {
+        arg
+        for line in GOLDEN_COMMANDS.read_text().splitlines()
+        for arg in line.split()
+        if arg.startswith("--")
+    }
+    ours -= {"--token-file"}  # our launcher's own, taken off before SGLang parses the rest
+    assert ours and ours <= cli_flags(), sorted(ours - cli_flags())
+
+
+def sent_bodies() -> dict[str, dict]:
+    """The body of every call the client makes, as a server receives it."""
+    bodies: dict[str, dict] = {}
+
+    class Capture(BaseHTTPRequestHandler):
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            bodies[self.path] = json.loads(raw) if raw else {}
+            meta = {"finish_reason": {"type": "stop", "matched": 0}, "weight_version": "0"}
+            reply = {"success": True, "message": "", "output_ids": [0], "meta_info": meta}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        c = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "key")
+        params = sampling_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"]))
+        c.generate([1, 2, 3], {**params, "sampling_seed": 7}, rid="r1")
+        c.abort_request("r1")
+        c.pause_generation("in_place")
+        c.continue_generation()
+        c.update_weights_from_disk("/shared/weights/v3", weight_version=3, abort_all_requests=False)
+        c.init_weights_update_group("10.0.0.1", 29500, 1, 3, "g", "nccl", group_timeout=60)
+        c.update_weights_from_distributed(
+            ["w"], ["bfloat16"], [[2, 2]], "g", weight_version=3, load_format="flattened_bucket"
+        )
+        c.destroy_weights_update_group("g")
+    finally:
+        httpd.shutdown()
+    return bodies
+
+
+def test_every_body_the_client_sends_builds_the_request_sglang_takes_there():
+    routes, bodies = request_classes(), sent_bodies()
+    assert len(bodies) == 8
+    for route, body in bodies.items():
+        fields = class_fields(routes[route])
+        unknown = set(body) - set(fields) - OURS.get(route, set())
+        missing = {f for f, required in fields.items() if required} - set(body)
+        assert not unknown and not missing, (route, routes[route], unknown, missing)
+    assert isinstance(bodies["/update_weights_from_distributed"]["weight_version"], str)  # str there, not int
+
+
+def test_every_sampling_parameter_we_send_is_one_sglang_takes():
+    params = sampling_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"]))
+    sent = set(params) | {
+        "sampling_seed"
+    }  # the rollout adds a seed per prompt (used by SGLang only when deterministic)
+    assert sent <= sampling_param_names(), sorted(sent - sampling_param_names())
