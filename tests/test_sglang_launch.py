@@ -56,3 +56,16 @@ def test_a_server_wider_than_a_node_is_refused():
             [REPO / "configs/qwen3-1.7b-8gpu.yaml"],
             ["allocation_mode=sglang.d1p1m16+d16p1m1", "cluster.n_nodes=4"],
         )
+
+
+def test_a_submission_without_sglang_installed_is_refused_before_anything_is_written(
+    tiny_build, tmp_path, capsys
+):
+    from areal_hpc.cli import main
+
+    args = [str(REPO / "configs" / f) for f in LAYERS] + [
+        f"actor.path={tiny_build.model_dir}", f"dataset.path={tiny_build.train_path}", f"cluster.fileroot={tmp_path}",
+    ]  # fmt: skip
+    assert main(["submit", *args, "--dry-run"]) == 2  # this environment has no sglang (its kernels need CUDA)
+    assert "names SGLang servers, but sglang is not installed" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

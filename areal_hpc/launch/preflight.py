@@ -18,7 +18,7 @@ def check_inputs(cfg: ExperimentConfig, new_run: bool = True) -> None:
     starts afresh (not `submit --recover`), which has no checkpoint to resume."""
     problems = [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path)]
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
-    problems += eval_set_problems(cfg) + writer_problems(cfg)
+    problems += eval_set_problems(cfg) + writer_problems(cfg) + sglang_problems(cfg)
     if new_run and cfg.recover_mode == "resume":
         problems.append(
             "'recover_mode' is resume, but a new run has no recover checkpoint to resume: use auto, or "
@@ -56,6 +56,16 @@ def writer_problems(cfg: ExperimentConfig) -> list[str]:
         f"'{key}' is true, but {module} is not installed: pip install '{package}', or set {key}=false"
         for key, module, package in wanted
         if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(module) is None
+    ]
+
+
+def sglang_problems(cfg: ExperimentConfig) -> list[str]:
+    """SGLang servers need SGLang where the job runs: this environment, as submitted."""
+    if not cfg.allocation_mode.startswith("sglang.") or importlib.util.find_spec("sglang") is not None:
+        return []
+    return [
+        "'allocation_mode' names SGLang servers, but sglang is not installed: pip install 'areal-hpc[sglang]' "
+        "(docs/sglang.md), or use the builtin backend"
     ]
 
 
