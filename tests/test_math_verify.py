@@ -80,17 +80,18 @@ def test_usable_from_several_threads(verifier):
     ids=["tower3", "tower5", "100k-chars"],
 )
 def test_pathological_answer_scores_zero_and_the_pool_recovers(verifier, answer):
+    verifier.wait_ready()  # the workers the cases before replaced have started
     start = time.monotonic()
     assert verifier.verify(boxed(answer), [boxed(1)]) == 0.0
     assert time.monotonic() - start < TIMEOUT + 1.0
     start = time.monotonic()
     assert verifier.verify(boxed(r"\frac12"), [boxed("0.5")]) == 1.0
-    # Not stuck behind the pathological check; on a loaded 2-core machine the replacement worker's start
-    # (Math-Verify's imports, ~3 s of CPU) slows this one down.
-    assert time.monotonic() - start < 2 * TIMEOUT
+    # The other worker answers: not stuck behind the pathological check, nor behind its replacement's start.
+    assert time.monotonic() - start < TIMEOUT
 
 
 def test_a_hung_check_does_not_block_the_others(verifier):
+    verifier.wait_ready()
     items = [(boxed("9^{9^{9}}"), [boxed(1)]), (boxed(3), [boxed(3)]), (boxed(4), [boxed(5)])]
     start = time.monotonic()
     assert verifier.verify_batch(items) == [0.0, 1.0, 0.0]

@@ -87,13 +87,17 @@ class MathVerifier:
         self._started = False
         self._workers = [self._spawn() for _ in range(n_workers)]
         try:
-            with self._lock:
-                while not all(worker.ready for worker in self._workers):
-                    self._wait_step([], [])
-                self._started = True  # from now on a worker that dies, even while starting, is replaced
+            self.wait_ready()
+            self._started = True  # from now on a worker that dies, even while starting, is replaced
         except BaseException:
             self.close()
             raise
+
+    def wait_ready(self) -> None:
+        """Until every worker is ready (a replaced one takes seconds to start: Math-Verify's imports)."""
+        with self._lock:
+            while not all(worker.ready for worker in self._workers):
+                self._wait_step([], [])
 
     def verify(self, response: str, solutions: Sequence[str]) -> float:
         """1.0 if `response` states the final answer of any of `solutions`, else 0.0."""
