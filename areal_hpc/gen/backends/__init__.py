@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from areal_hpc.config import GEN_BACKENDS
+from areal_hpc.config import GEN_BACKENDS, SGLangConfig
+
+_SGLANG = SGLangConfig()
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,10 @@ class ServerSpec:
     weight_version: str = "0"  # before any update
     cpu_threads: int = 1  # torch's CPU threads (roles on one machine share its cores)
     public_host: str = "127.0.0.1"  # the address clients reach it at (a child server's URL)
-    # SGLang's own (config.SGLangConfig):
-    mem_fraction_static: float = 0.9
-    context_length: int | None = 32768
-    log_level: str = "warning"
+    # SGLang's own, their defaults config.SGLangConfig's:
+    mem_fraction_static: float = _SGLANG.mem_fraction_static
+    context_length: int | None = _SGLANG.context_length
+    log_level: str = _SGLANG.log_level
 
 
 class Server(Protocol):
