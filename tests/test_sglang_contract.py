@@ -17,7 +17,7 @@ import pytest
 
 from areal_hpc.config import load_config
 from areal_hpc.gen.client import GenClient
-from areal_hpc.gen.rollout import sampling_params
+from areal_hpc.gen.rollout import group_params, sampling_params
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = Path(os.environ.get("AREAL_SGLANG_SRC", REPO / ".cache" / "sglang-src")) / "sglang" / "srt"
@@ -144,9 +144,13 @@ def test_every_body_the_client_sends_builds_the_request_sglang_takes_there():
     assert isinstance(bodies["/update_weights_from_distributed"]["weight_version"], str)  # str there, not int
 
 
-def test_every_sampling_parameter_we_send_is_one_sglang_takes():
-    params = sampling_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"]))
-    sent = set(params) | {
-        "sampling_seed"
-    }  # the rollout adds a seed per prompt (used by SGLang only when deterministic)
-    assert sent <= sampling_param_names(), sorted(sent - sampling_param_names())
+def test_every_sampling_parameter_we_send_is_one_sglang_takes_and_no_seed_is_relied_on():
+    sglang_cfg = load_config(
+        [REPO / "configs/qwen3-1.7b-8gpu.yaml"], ["allocation_mode=sglang.d4p1m1+d4p1m1"]
+    )
+    sglang = group_params(sglang_cfg, "q1", 0)
+    assert set(sglang) <= sampling_param_names(), sorted(set(sglang) - sampling_param_names())
+    # SGLang ignores sampling_seed unless deterministic, and then gives all n answers the same one.
+    assert "sampling_seed" not in sglang
+    builtin = group_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"]), "q1", 0)
+    assert builtin == {**sglang, "sampling_seed": builtin["sampling_seed"]}  # seeded where each answer is

@@ -18,6 +18,9 @@ class Backend:
     pipeline_parallel: bool = False
     optimizer_offload: bool = False  # optimizer state kept in CPU memory (optimizer.offload)
     value_model: bool = True  # can host the critic
+    # Generation: each of a request's n answers drawn from its own stream of `sampling_seed`. SGLang ignores
+    # the seed unless launched deterministic, and then gives all n answers the same one (n identical answers).
+    seeded_sampling: bool = False
 
 
 TRAIN_BACKENDS = {
@@ -29,7 +32,7 @@ TRAIN_BACKENDS = {
     ),
 }
 GEN_BACKENDS = {
-    "builtin": Backend("areal_hpc.gen.backends.builtin"),
+    "builtin": Backend("areal_hpc.gen.backends.builtin", seeded_sampling=True),
     "sglang": Backend("areal_hpc.gen.backends.sglang", tensor_parallel=True),  # the `sglang` extra
 }
 

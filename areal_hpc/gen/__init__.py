@@ -13,14 +13,14 @@ partial         answers continued across weight updates (interruptible generatio
 from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec, start_server
 from areal_hpc.gen.client import GenClient, GenServerError
-from areal_hpc.gen.rollout import prompt_seed, rollout_step, sampling_params
+from areal_hpc.gen.rollout import group_params, rollout_step, sampling_params
 
 __all__ = [
     "GenClient",
     "GenServerError",
     "ServerSpec",
     "discovery",
-    "prompt_seed",
+    "group_params",
     "rollout_step",
     "sampling_params",
     "start_server",

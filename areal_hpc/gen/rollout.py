@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.config import ExperimentConfig
+from areal_hpc.alloc import parse_allocation_mode
+from areal_hpc.config import GEN_BACKENDS, ExperimentConfig
 from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.partial import PartialAnswer, from_response
 
@@ -39,14 +40,24 @@ def prompt_seed(seed: int, query_id: str, epoch: int) -> int:
     return (seed * 1_000_003 + epoch * 7_919 + zlib.crc32(query_id.encode())) % 2**31
 
 
+def group_params(cfg: ExperimentConfig, query_id: str, epoch: int) -> dict:
+    """Sampling params of one prompt's group: seeded only where the generation backend seeds each answer
+    (config/backends.py); nothing else relies on the seed."""
+    params = sampling_params(cfg)
+    backend = parse_allocation_mode(cfg.allocation_mode).gen_backend
+    if backend is not None and GEN_BACKENDS[backend].seeded_sampling:
+        params["sampling_seed"] = prompt_seed(cfg.seed, query_id, epoch)
+    return params
+
+
 def generate_groups(
-    clients: Sequence, prompts: Sequence[PromptSample], params: dict, seeds: Sequence[int]
+    clients: Sequence, prompts: Sequence[PromptSample], params: Sequence[dict]
 ) -> list[list[tuple[PartialAnswer, str]]]:
-    """group_size (answer, text) per prompt, all prompts in flight at once, prompt i on server i % len(servers)."""
+    """group_size (answer, text) per prompt (sampled with params[i]), all prompts in flight at once, prompt i
+    on server i % len(servers)."""
 
     def one(i: int) -> list[tuple[PartialAnswer, str]]:
-        request = {**params, "sampling_seed": seeds[i]}
-        responses = clients[i % len(clients)].generate([list(prompts[i].input_ids)], request)
+        responses = clients[i % len(clients)].generate([list(prompts[i].input_ids)], params[i])
         return [(from_response(r), r["text"]) for r in responses]
 
     with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
@@ -99,8 +110,8 @@ def rollout_step(
 ) -> tuple[Path, dict]:
     """Generate, score and write the step's batch file; returns its path and rollout statistics."""
     start = time.monotonic()
-    seeds = [prompt_seed(cfg.seed, p.query_id, epoch) for p in prompts]
-    generated = generate_groups(clients, prompts, sampling_params(cfg), seeds)
+    params = [group_params(cfg, p.query_id, epoch) for p in prompts]
+    generated = generate_groups(clients, prompts, params)
     gen_secs = time.monotonic() - start
     items = [
         (text, list(p.solutions)) for p, group in zip(prompts, generated, strict=True) for _, text in group

@@ -24,7 +24,7 @@ from areal_hpc.control import Ledger
 from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSampler, read_attrs
 from areal_hpc.gen.manager import GenerationManager
 from areal_hpc.gen.partial import generate_group
-from areal_hpc.gen.rollout import pack_groups, prompt_seed, sampling_params, scores
+from areal_hpc.gen.rollout import group_params, pack_groups, scores
 
 logger = logging.getLogger("rollout")
 ALLOCATE_POLL_SECS = 0.01
@@ -95,7 +95,7 @@ class RolloutWorker:
         """Generate, score and store one group; False when the success-rate filter dropped it."""
         ctx, cfg = self.ctx, self.ctx.cfg
         birth = time.time()
-        params = {**sampling_params(cfg), "sampling_seed": prompt_seed(cfg.seed, prompt.query_id, epoch)}
+        params = group_params(cfg, prompt.query_id, epoch)
         n_tokens = len(prompt.input_ids) * cfg.group_size
         group = f"{self.index}-{sequence}"  # a prompt may be in flight twice (an epoch ends meanwhile)
         server = ctx.manager.schedule_request(group, n_tokens)
