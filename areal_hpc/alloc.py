@@ -321,11 +321,25 @@ class Allocation:
         ranks |= self._ranks(self.layout(mfc), "gen" if mfc == "actor_gen" else "train")
         return dict(sorted(ranks.items()))
 
+    @property
+    def gen_tensor(self) -> int:
+        """GPUs of one generation server."""
+        return self.server_layout.spec.tensor
+
+    @property
+    def server_layout(self) -> Placement:
+        """Where the generation servers run: decoupled, the generation layout; colocated, the GPUs of actor_gen,
+        shared with the trainers (a server is a tensor group of that layout; its pipeline stages are servers
+        of their own, as a server has none)."""
+        if self.gen_layout is not None:
+            return self.gen_layout
+        placement = self.layout("actor_gen")
+        spec = placement.spec
+        return Placement(placement.gpus, ParallelSpec(spec.data * spec.pipeline, spec.tensor, 1))
+
     def gen_servers(self) -> tuple[GenServer, ...]:
-        """The generation servers, one per generation TP group, in GPU order (none unless decoupled)."""
-        if self.gen_layout is None:
-            return ()
-        gpus, tp = self.gen_layout.gpus, self.gen_layout.spec.tensor
+        """The generation servers, one per generation TP group, in GPU order."""
+        gpus, tp = self.server_layout.gpus, self.server_layout.spec.tensor
         groups = [gpus[start : start + tp] for start in range(0, len(gpus), tp)]
         per_node = self.n_gpus_per_node
         return tuple(

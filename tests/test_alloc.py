@@ -61,10 +61,18 @@ def test_letters_in_any_order_and_t_means_m():
 
 def test_bare_spec_is_colocated_and_every_mfc_uses_it():
     alloc = resolve_allocation("d2p1m2", 1, 4)
-    assert alloc.mode.kind == "colocated" and alloc.gen_servers() == () and alloc.n_gen_gpus == 0
+    assert alloc.mode.kind == "colocated" and alloc.n_gen_gpus == 0
     assert {alloc.train_spec(mfc) for mfc in MFC_NAMES} == {ParallelSpec(2, 2, 1)}
-    # without a generation backend generation is the actor_gen MFC on the training GPUs
     assert {rank.role for rank in alloc.gpu_map("actor_gen").values()} == {"gen"}
+    # the servers share the trainers' GPUs: one per tensor group of actor_gen's layout
+    assert [s.gpus for s in alloc.gen_servers()] == [(0, 1), (2, 3)] and alloc.gen_tensor == 2
+
+
+def test_colocated_pipeline_stages_generate_as_servers_of_their_own():
+    alloc = resolve_allocation("actor_train:d1p2m2,*:d2p1m2", 2, 2)
+    assert [(s.node, s.gpus) for s in alloc.gen_servers()] == [(0, (0, 1)), (1, (2, 3))]
+    alloc = resolve_allocation("d1p2m1", 1, 2)
+    assert [s.gpus for s in alloc.gen_servers()] == [(0,), (1,)]
 
 
 def test_per_mfc_layouts_with_default():

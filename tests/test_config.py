@@ -138,7 +138,13 @@ def test_malformed_override_and_yaml(tmp_path):
         (["ppo.disable_value=false"], "'critic.path' is required"),
         (["eval.enabled=true"], "'eval.data_dir' is required when 'eval.enabled' is true"),
         # What is not implemented yet is refused, saying what is.
-        (["allocation_mode=d8p1m1"], "colocated allocations are not implemented yet"),
+        (
+            ["allocation_mode=d1p1m1", "async_rl=true"],
+            "'async_rl': colocated generation and training take turns",
+        ),
+        (["allocation_mode=d1p1m1"], "'weight_update_mode': colocated servers share the trainers' GPUs"),
+        (["allocation_mode=actor_train:d1p1m1"], "give actor_gen:<3D spec> or '*:<3D spec>'"),
+        (["colocated_gen_backend=sglang"], "'colocated_gen_backend' is set, but allocation_mode"),
         (["allocation_mode=manual"], "manual allocations are not implemented yet"),
         (
             ["allocation_mode=vllm.d4p1m1+d4p1m1"],
@@ -146,7 +152,7 @@ def test_malformed_override_and_yaml(tmp_path):
         ),
         (
             ["allocation_mode=builtin.d2p1m2+d4p1m1"],
-            "'builtin' has no tensor parallelism: its 3D spec needs m1",
+            "'builtin' has no tensor parallelism: its servers' tensor size must be 1, not 2",
         ),
         (
             ["allocation_mode=builtin.d4p1m1+d2p2m1"],

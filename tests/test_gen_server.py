@@ -212,6 +212,43 @@ def test_update_weights_from_disk_changes_outputs_and_version(client, model, tin
     assert again["output_ids"] == before["output_ids"] and again["meta_info"]["weight_version"] == "6"
 
 
+def test_released_memory_serves_nothing_until_resumed_and_updated(client, tiny_model_dir):
+    """Colocated turns (master/turns.py): release while idle, resume the weights, update them, resume the rest."""
+    before = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
+    held = client.server_info()["memory"]["weights_bytes"]
+    running, _ = in_thread(client.generate, [2, 7, 1], LONG)
+    wait_running(client)
+    with pytest.raises(GenServerError, match="HTTP 400.*needs an idle server"):
+        client.release_memory_occupation()
+    client.abort_request(abort_all=True)
+    running.join(30)
+
+    client.release_memory_occupation()
+    memory = client.server_info()["memory"]
+    assert memory == {
+        "released": ["cuda_graph", "kv_cache", "weights"],
+        "weights_stale": False,
+        "weights_bytes": 0,
+    }
+    with pytest.raises(GenServerError, match="HTTP 400.*kv_cache, weights memory is released"):
+        client.generate([3, 1, 4, 1, 5], GREEDY)
+    with pytest.raises(GenServerError, match="HTTP 400.*resume_memory_occupation first"):
+        client.update_weights_from_disk(str(tiny_model_dir))
+    client.resume_memory_occupation(["weights"])
+    memory = client.server_info()["memory"]
+    assert (
+        memory["weights_bytes"] == held
+        and memory["weights_stale"]
+        and memory["released"] == ["cuda_graph", "kv_cache"]
+    )
+    with pytest.raises(GenServerError, match="HTTP 400.*tags.*'weights'"):
+        client.resume_memory_occupation(["weights"])  # not released
+    client.update_weights_from_disk(str(tiny_model_dir))
+    client.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    assert client.server_info()["memory"]["released"] == []
+    assert client.generate([3, 1, 4, 1, 5], GREEDY)[0]["output_ids"] == before["output_ids"]
+
+
 def test_every_route_but_health_needs_the_token(client):
     for token in (None, "wrong-token"):
         other = GenClient(client.url, token, timeout=10)

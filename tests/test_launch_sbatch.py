@@ -38,6 +38,7 @@ CASES = {
     "qwen3-1.7b-8gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-megatron.yaml"), ()),
     "qwen2.5-32b-64gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"), ()),
     "qwen3-1.7b-8gpu-sglang": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-sglang.yaml"), ()),
+    "qwen3-1.7b-1gpu-colocated": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"), ()),
 }
 
 
@@ -75,6 +76,18 @@ def test_one_node_decoupled_runs_as_one_plain_job_with_gpus_split_between_steps(
     roles = [(s.role, s.gpus_per_node) for s in component.steps]
     assert roles == [("gen_server", 4), ("trainer", 4), ("controller", 0), ("rollout", 0)]  # async_rl
     assert "--het-group" not in text
+
+
+def test_colocated_servers_share_every_node_and_gpu_of_the_trainers():
+    overrides = ["allocation_mode=d16p1m1", "cluster.n_nodes=2", "async_rl=false", "weight_update_mode=disk"]
+    plan, (text,) = scripts_of(config("qwen3-1.7b-8gpu.yaml", overrides=overrides))
+    assert plan.kind == "single"
+    (component,) = plan.jobs[0].components
+    assert (component.nodes, component.gpus_per_node) == (2, 8)
+    gen, train = component.steps[:2]
+    assert (gen.role, gen.ntasks, gen.gpus_per_node, gen.overlap) == ("gen_server", 16, 8, True)
+    assert (train.role, train.ntasks, train.gpus_per_node, train.overlap) == ("trainer", 16, 8, False)
+    assert "--nodes=2 --ntasks=16 --ntasks-per-node=8 --cpus-per-task=8 --gpus-per-node=8 --overlap" in text
 
 
 def test_site_options_reach_the_script():
@@ -116,7 +129,7 @@ def test_dry_run_writes_nothing(tmp_path, toy):
     "override, message",
     [
         ("cluster.slurm.nodelist=n1", "cluster.slurm.nodelist"),
-        ("allocation_mode=d2p1m1", "allocation_mode"),
+        ("allocation_mode=builtin.d1p1m1+d9p1m1", "allocation_mode"),
         ("cluster.slurm.cpus_per_gpu=0", "cluster.slurm.cpus_per_gpu"),
     ],
 )

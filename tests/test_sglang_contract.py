@@ -22,7 +22,7 @@ from areal_hpc.gen.rollout import group_params, sampling_params
 REPO = Path(__file__).resolve().parents[1]
 SRC = Path(os.environ.get("AREAL_SGLANG_SRC", REPO / ".cache" / "sglang-src")) / "sglang" / "srt"
 pytestmark = pytest.mark.skipif(not SRC.is_dir(), reason=f"{SRC} missing: `make test` unpacks sglang there")
-GOLDEN_COMMANDS = REPO / "tests" / "golden" / "qwen3-1.7b-8gpu-sglang.servers.txt"
+GOLDEN_COMMANDS = sorted((REPO / "tests" / "golden").glob("*.servers.txt"))
 # Ours, and said so: the built-in server bounds its join by it; SGLang drops it (its group waits 30 minutes).
 OURS = {"/init_weights_update_group": {"timeout_secs"}}
 
@@ -84,7 +84,8 @@ def sampling_param_names() -> set[str]:
 def test_every_flag_the_launcher_emits_is_one_of_sglang_server_args():
     ours = {
         arg
-        for line in GOLDEN_COMMANDS.read_text().splitlines()
+        for golden in GOLDEN_COMMANDS
+        for line in golden.read_text().splitlines()
         for arg in line.split()
         if arg.startswith("--")
     }
@@ -128,6 +129,8 @@ def sent_bodies() -> dict[str, dict]:
             ["w"], ["bfloat16"], [[2, 2]], "g", weight_version=3, load_format="flattened_bucket"
         )
         c.destroy_weights_update_group("g")
+        c.release_memory_occupation()
+        c.resume_memory_occupation(["weights"])
     finally:
         httpd.shutdown()
     return bodies
@@ -135,7 +138,7 @@ def sent_bodies() -> dict[str, dict]:
 
 def test_every_body_the_client_sends_builds_the_request_sglang_takes_there():
     routes, bodies = request_classes(), sent_bodies()
-    assert len(bodies) == 8
+    assert len(bodies) == 10
     for route, body in bodies.items():
         fields = class_fields(routes[route])
         unknown = set(body) - set(fields) - OURS.get(route, set())

@@ -8,7 +8,7 @@ docs      docs/config.md and `areal-hpc config options`, rendered from the schem
 """
 
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend, megatron_model_problems
-from areal_hpc.config.checks import MFCS_OF, allocation_of, mfc_spec, trainer_models
+from areal_hpc.config.checks import MFCS_OF, allocation_of, gen_backend, mfc_spec, trainer_models
 from areal_hpc.config.docs import render_markdown, render_options
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
 from areal_hpc.config.schema import (
@@ -45,6 +45,7 @@ __all__ = [
     "PPOConfig",
     "TrainedModelConfig",
     "allocation_of",
+    "gen_backend",
     "dump_yaml",
     "load_config",
     "mfc_spec",

@@ -106,35 +106,44 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
         mode = alloc.parse_allocation_mode(cfg.allocation_mode)
     except alloc.AllocationError as e:
         return [f"'allocation_mode': {e}"]
-    if mode.kind != "decoupled":
+    if mode.kind == "manual":
         return [
-            f"'allocation_mode' is {cfg.allocation_mode!r}: {mode.kind} allocations are not implemented yet; give "
+            f"'allocation_mode' is {cfg.allocation_mode!r}: manual allocations are not implemented yet; give "
             "the generation servers GPUs of their own, e.g. 'builtin.d1p1m1+d1p1m1'"
         ]
-    gen = GEN_BACKENDS.get(mode.gen_backend)
+    if mode.kind == "decoupled" and cfg.colocated_gen_backend != "builtin":
+        return [
+            f"'colocated_gen_backend' is set, but allocation_mode {cfg.allocation_mode!r} is decoupled: it names "
+            f"its generation backend ({mode.gen_backend!r}) before the '.'"
+        ]
+    backend = gen_backend(cfg)
+    gen = GEN_BACKENDS.get(backend)
     if gen is None:
         return [
-            f"'allocation_mode': generation backend {mode.gen_backend!r} is not available "
+            f"'allocation_mode': generation backend {backend!r} is not available "
             f"(available: {', '.join(GEN_BACKENDS)})"
         ]
-    out = []
-    if mode.gen_backend != "sglang":  # no option is taken that the code ignores
+    out = _colocated_problems(cfg, mode) if mode.kind == "colocated" else []
+    if out:
+        return out
+    tensor = (mode.gen or dict(mode.train).get("actor_gen") or dict(mode.train)[alloc.DEFAULT_KEY]).tensor
+    if backend != "sglang":  # no option is taken that the code ignores
         defaults = dataclasses.asdict(type(cfg.sglang)())
         out += [
-            f"'sglang.{key}' is set, but the generation backend is {mode.gen_backend!r}: it applies to "
-            "allocation_mode sglang.* only"
+            f"'sglang.{key}' is set, but the generation backend is {backend!r}: it applies to "
+            "SGLang servers only"
             for key, value in dataclasses.asdict(cfg.sglang).items()
             if value != defaults[key]
         ]
-    if mode.gen_backend == "sglang" and mode.gen.tensor > cfg.cluster.n_gpus_per_node:
+    if backend == "sglang" and tensor > cfg.cluster.n_gpus_per_node:
         out.append(
-            f"'allocation_mode': an SGLang server of tensor size {mode.gen.tensor} spans nodes of "
+            f"'allocation_mode': an SGLang server of tensor size {tensor} spans nodes of "
             f"{cfg.cluster.n_gpus_per_node} GPUs; multi-node servers are not launched yet"
         )
-    if mode.gen.tensor > 1 and not gen.tensor_parallel:
+    if tensor > 1 and not gen.tensor_parallel:
         out.append(
-            f"'allocation_mode': generation backend {mode.gen_backend!r} has no tensor parallelism: its 3D spec "
-            f"needs m1, not {mode.gen.format()}"
+            f"'allocation_mode': generation backend {backend!r} has no tensor parallelism: its servers' "
+            f"tensor size must be 1, not {tensor}"
         )
     out += _parallel_problems(cfg, mode)
     if out:
@@ -164,6 +173,32 @@ def _megatron_model_problems(cfg: ExperimentConfig, allocation: alloc.Allocation
         for spec in dict.fromkeys(allocation.train_spec(mfc) for mfc in MFCS_OF[name]):
             out += [f"{where}: {p}" for p in megatron_model_problems(hf, spec.tensor, spec.pipeline)]
     return list(dict.fromkeys(out))  # a problem of several layouts once
+
+
+def _colocated_problems(cfg: ExperimentConfig, mode: alloc.AllocationMode) -> list[str]:
+    """Colocated servers and trainers take turns on the same GPUs (master/turns.py)."""
+    out = []
+    if "actor_gen" not in dict(mode.train) and alloc.DEFAULT_KEY not in dict(mode.train):
+        out.append(
+            f"'allocation_mode' {cfg.allocation_mode!r} is colocated: its generation servers run on actor_gen's "
+            "layout; give actor_gen:<3D spec> or '*:<3D spec>'"
+        )
+    if cfg.async_rl:
+        out.append(
+            "'async_rl': colocated generation and training take turns on the same GPUs, so generation cannot "
+            "run ahead; give async_rl=false, or the servers GPUs of their own (e.g. 'builtin.d1p1m1+d1p1m1')"
+        )
+    if cfg.weight_update_mode != "disk":
+        out.append(
+            "'weight_update_mode': colocated servers share the trainers' GPUs, where NCCL cannot join two ranks "
+            "of one GPU; give weight_update_mode=disk"
+        )
+    return out
+
+
+def gen_backend(cfg: ExperimentConfig) -> str:
+    """The generation backend: named by a decoupled allocation_mode, else colocated_gen_backend."""
+    return alloc.parse_allocation_mode(cfg.allocation_mode).gen_backend or cfg.colocated_gen_backend
 
 
 def allocation_of(cfg: ExperimentConfig) -> alloc.Allocation:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_hpc.config.backends import TRAIN_BACKENDS
+from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS
 
 
 class ConfigError(ValueError):
@@ -255,7 +255,14 @@ class ExperimentConfig:
     allocation_mode: str = opt(
         "builtin.d4p1m1+d4p1m1",
         "GPU layout of generation and training, '<generation backend>.<3D spec>+<training 3D spec>' "
-        "(REFERENCE.md section 2; areal_hpc/alloc.py).",
+        "(REFERENCE.md section 2; areal_hpc/alloc.py). A bare training spec such as 'd1p1m1' is colocated: "
+        "the generation servers share the trainers' GPUs and take turns with them.",
+    )
+    colocated_gen_backend: str = opt(
+        "builtin",
+        "Colocated allocation_mode (a bare 3D spec): the generation backend of the servers on the trainers' "
+        "GPUs (a decoupled allocation_mode names its own before the '.').",
+        choices=tuple(GEN_BACKENDS),
     )
     cluster: ClusterConfig = opt(ClusterConfig, "Resources and storage.")
     actor: TrainedModelConfig = opt(TrainedModelConfig, "The policy being trained.")

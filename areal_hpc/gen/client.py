@@ -157,6 +157,15 @@ class GenClient:
         """Make the server leave the weight group."""
         return self._succeed("/destroy_weights_update_group", {"group_name": group_name})
 
+    def release_memory_occupation(self, tags: list[str] | None = None, timeout: float | None = None) -> None:
+        """Make the idle server give back its GPU memory (tags weights, kv_cache, cuda_graph; None: all), so
+        that trainers on the same GPUs can use it; it cannot generate until resumed."""
+        self._call("POST", "/release_memory_occupation", {"tags": tags}, timeout)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None, timeout: float | None = None) -> None:
+        """Make the server take back the memory of ``tags`` (None: all); resumed weights need an update."""
+        self._call("POST", "/resume_memory_occupation", {"tags": tags}, timeout)
+
     def _succeed(self, route: str, body: dict, timeout: float | None = None) -> dict:
         """POST ``body``; raises GenServerError unless the answer says ``success``."""
         result = self._call("POST", route, body, timeout)

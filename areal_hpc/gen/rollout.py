@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.alloc import parse_allocation_mode
-from areal_hpc.config import GEN_BACKENDS, ExperimentConfig
+from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, gen_backend
 from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.partial import PartialAnswer, from_response
 
@@ -44,8 +43,7 @@ def group_params(cfg: ExperimentConfig, query_id: str, epoch: int) -> dict:
     """Sampling params of one prompt's group: seeded only where the generation backend seeds each answer
     (config/backends.py); nothing else relies on the seed."""
     params = sampling_params(cfg)
-    backend = parse_allocation_mode(cfg.allocation_mode).gen_backend
-    if backend is not None and GEN_BACKENDS[backend].seeded_sampling:
+    if GEN_BACKENDS[gen_backend(cfg)].seeded_sampling:
         params["sampling_seed"] = prompt_seed(cfg.seed, query_id, epoch)
     return params
 

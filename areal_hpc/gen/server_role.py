@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from areal_hpc.config import gen_backend
 from areal_hpc.control import START_TIMEOUT_SECS, RunContext, RunEndedError, why_stop
 from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec, start_server
@@ -20,7 +21,7 @@ WATCH_SECS = 1.0
 def server_spec(ctx: RunContext, visible: int | None = None) -> ServerSpec:
     """Server `ctx.index` of the generation layout: its model, its first GPU among the `visible` ones its step
     sees (default: CUDA's count), its seed."""
-    cfg, tp = ctx.cfg, ctx.allocation.gen_spec.tensor
+    cfg, tp = ctx.cfg, ctx.allocation.gen_tensor
     visible = torch.cuda.device_count() if visible is None else visible
     device = f"cuda:{ctx.index * tp % visible}" if visible else "cpu"
     sg = cfg.sglang
@@ -28,13 +29,14 @@ def server_spec(ctx: RunContext, visible: int | None = None) -> ServerSpec:
         model_path=cfg.actor.path, token_file=ctx.run.secret, host=ctx.bind_host, device=device, tp_size=tp,
         seed=cfg.seed + ctx.index, max_running_requests=cfg.max_running_requests, public_host=ctx.public_host,
         mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length, log_level=sg.log_level,
+        memory_saver=ctx.allocation.mode.kind == "colocated",
     )  # fmt: skip
 
 
 def run(ctx: RunContext) -> None:
     """Serve until the run ends: completed (return), or failed or abandoned (RunEndedError)."""
     spec = server_spec(ctx)
-    server = start_server(ctx.allocation.mode.gen_backend, spec)
+    server = start_server(gen_backend(ctx.cfg), spec)
     try:
         GenClient(server.url, ctx.run.token()).wait_healthy(START_TIMEOUT_SECS)
         discovery.announce(ctx.run.gen_address(ctx.index), server.url)

@@ -7,6 +7,8 @@ Pure: a config and a run directory in, a `LaunchPlan` out; `sbatch.render` turns
 - Both on one node (a one-node decoupled run such as 4 GPUs generating + 4 training): Slurm cannot put two
   components of a job on one node, so one plain job runs both steps, each with its own GPUs.
 - `slurm.hetjob: false`: two jobs (generation, training) that meet through the run directory.
+- Colocated (a bare 3D spec): one plain job on the training partition; the generation step shares the
+  trainers' nodes and GPUs (`srun --overlap`), and the two take turns (master/turns.py).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
     gen_nodes = sorted({s.node for s in allocation.gen_servers()})
     train_nodes = sorted({g // allocation.n_gpus_per_node for g in allocation.layout("actor_train").gpus})
     shared = set(gen_nodes) & set(train_nodes)
-    if shared and cfg.cluster.n_nodes > 1:
+    colocated = allocation.gen_layout is None
+    if shared and cfg.cluster.n_nodes > 1 and not colocated:
         raise PlanError(
             f"allocation_mode: generation and training share node {min(shared)} of a {cfg.cluster.n_nodes}-node "
             f"run; on Slurm each side needs whole nodes: give generation a multiple of n_gpus_per_node "
@@ -122,7 +125,13 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
     )
     side = tuple(Step(role, 1, 1, 0, 1, overlap=True) for role in tasks if role in SINGLE_ROLES)
     name = f"{cfg.experiment_name}_{cfg.trial_name}"
-    if shared:  # one node
+    if colocated:
+        steps = (gen_step, train_step, *side)
+        all_ = _component(
+            cfg, "all", slurm.train_partition, len(train_nodes), train_step.gpus_per_node, steps
+        )
+        jobs = (Job(name, (all_,)),)
+    elif shared:  # one node
         steps = (gen_step, train_step, *side)
         jobs = (
             Job(name, (_component(cfg, "all", slurm.train_partition, 1, allocation.n_gpus_per_node, steps),)),
@@ -148,10 +157,12 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
 
 
 def _gen_step(cfg: ExperimentConfig, allocation: alloc.Allocation, n_nodes: int) -> Step:
-    servers = allocation.gen_servers()
-    tp = len(servers[0].gpus)
-    gpus_per_node = allocation.n_gen_gpus // n_nodes
-    return Step("gen_server", n_nodes, len(servers), gpus_per_node, cfg.cluster.slurm.cpus_per_gpu * tp)
+    """The generation servers; colocated, on the trainers' GPUs, which they share (overlap)."""
+    n_servers, tp = len(allocation.gen_servers()), allocation.gen_tensor
+    gpus_per_node = len(allocation.server_layout.gpus) // n_nodes
+    colocated = allocation.gen_layout is None
+    cpus = cfg.cluster.slurm.cpus_per_gpu * tp
+    return Step("gen_server", n_nodes, n_servers, gpus_per_node, cpus, overlap=colocated)
 
 
 def _train_step(cfg: ExperimentConfig, allocation: alloc.Allocation, n_nodes: int) -> Step:

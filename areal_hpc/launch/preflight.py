@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from areal_hpc.config import ExperimentConfig, InputError, trainer_models
+from areal_hpc.config import ExperimentConfig, InputError, gen_backend, trainer_models
 from areal_hpc.data import DatasetFormatError, read_prompt_records
 from areal_hpc.eval import EvalDataError, load_eval_set
 
@@ -61,10 +61,10 @@ def writer_problems(cfg: ExperimentConfig) -> list[str]:
 
 def sglang_problems(cfg: ExperimentConfig) -> list[str]:
     """SGLang servers need SGLang where the job runs: this environment, as submitted."""
-    if not cfg.allocation_mode.startswith("sglang.") or importlib.util.find_spec("sglang") is not None:
+    if gen_backend(cfg) != "sglang" or importlib.util.find_spec("sglang") is not None:
         return []
     return [
-        "'allocation_mode' names SGLang servers, but sglang is not installed: pip install 'areal-hpc[sglang]' "
+        "The run's generation servers are SGLang's, but sglang is not installed: pip install 'areal-hpc[sglang]' "
         "(docs/sglang.md), or use the builtin backend"
     ]
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from areal_hpc.config import ExperimentConfig, mfc_spec
+from areal_hpc.config import ExperimentConfig, allocation_of, mfc_spec
 from areal_hpc.control import RunDir, fsio
 from areal_hpc.data import PromptDataset, read_batch, read_keys
 from areal_hpc.eval import make_executor
@@ -28,6 +28,7 @@ from areal_hpc.master.freq import FrequencyControl
 from areal_hpc.master.graph import MFC
 from areal_hpc.master.guard import StepGuard
 from areal_hpc.master.sources import SftBatches, StepBatch, StoreRollouts, SyncRollouts
+from areal_hpc.master.turns import Turns
 from areal_hpc.monitor import StatsLog, open_writers, step_line, write_progress
 from areal_hpc.recover import Preempted, rewind
 from areal_hpc.weights import make_publisher
@@ -94,6 +95,8 @@ class Master:
         components |= {"save_ctl": self.save_ctl, "eval_ctl": self.eval_ctl, "ckpt_ctl": self.ckpt_ctl}
         self.checkpointer = Checkpointer(cfg, run, trainers, components)
         self.publisher = make_publisher(cfg, run, trainers, clients)
+        colocated = allocation_of(cfg).mode.kind == "colocated"
+        self.turns = Turns(clients, colocated and self.rl, cfg.weight_update_timeout_secs)
 
     def run(self, resume_from=None, attempt: int = 0) -> list[tuple[int, float]]:
         """Every step (from recover checkpoint `resume_from` if given), with held-out greedy accuracy before
@@ -121,8 +124,8 @@ class Master:
     def step(self) -> None:
         start, step = time.monotonic(), self.counter.global_step
         batch = self.source.next(step)
+        stats = dict(batch.stats) | self.turns.to_trainers()  # colocated: the servers free the shared GPUs
         self.add(batch, birth=start)
-        stats = dict(batch.stats)
         for mfc in self.graph:
             stats |= self.run_mfc(mfc, step, batch.n_samples)
         if self.rl:
@@ -201,7 +204,7 @@ class Master:
         try:
             if self.guard.urgent:  # the servers are stopping too; a resume republishes the trainers' weights
                 raise RuntimeError("not sent after SIGTERM")
-            stats = self.publisher.publish(version)
+            stats = self.turns.publish(lambda: self.publisher.publish(version))
         except Exception as exc:
             if not self.guard.urgent:  # SIGTERM may come while the servers take the weights
                 raise

@@ -223,7 +223,7 @@ def make_publisher(cfg, run, trainers, clients: Sequence):
     if cfg.weight_update_mode == "disk":
         return DiskPublisher(run.weight_snapshot, trainers, clients, timeout, interrupt)
     if cfg.weight_update_mode == "broadcast":
-        tp = allocation_of(cfg).gen_spec.tensor
+        tp = allocation_of(cfg).gen_tensor
         bucket = cfg.weight_update_bucket_mb * 2**20
         return BroadcastPublisher(trainers, clients, timeout, bucket, interrupt, tp_size=tp)
     raise ValueError(f"unknown weight_update_mode {cfg.weight_update_mode!r}")

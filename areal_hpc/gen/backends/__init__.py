@@ -37,6 +37,7 @@ class ServerSpec:
     weight_version: str = "0"  # before any update
     cpu_threads: int = 1  # torch's CPU threads (roles on one machine share its cores)
     public_host: str = "127.0.0.1"  # the address clients reach it at (a child server's URL)
+    memory_saver: bool = False  # colocated: its memory is released while the trainers train (SGLang's flag)
     # SGLang's own, their defaults config.SGLangConfig's:
     mem_fraction_static: float = _SGLANG.mem_fraction_static
     context_length: int | None = _SGLANG.context_length

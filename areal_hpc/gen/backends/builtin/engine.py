@@ -32,6 +32,7 @@ from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's; in_place and retract both keep rows for continue
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's; no tags: all of them
 CONTROL_TIMEOUT_S = 120.0
 
 
@@ -126,6 +127,7 @@ class Engine:
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         pad = getattr(config, "pad_token_id", None)
         self._batch = Batch(model, self.context_len, pad_id=pad if pad is not None else 0)
+        self._shapes = {name: p.shape for name, p in model.named_parameters()}
         self._seeds = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: deque[Row] = deque()
@@ -133,6 +135,8 @@ class Engine:
         self._controls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._paused = self._stopping = False
         self._draining = False  # a weight update waits for running rows: admit none meanwhile
+        self._released: set[str] = set()  # memory tags given back (colocated: the trainers use it meanwhile)
+        self._stale = False  # the weights' memory came back without its contents: serve none until an update
         self._update_lock = threading.Lock()  # one weight load at a time
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
@@ -179,6 +183,15 @@ class Engine:
         with self._cond:
             if not self.healthy:
                 raise RuntimeError("the generation engine is not running")
+            if self._released or self._stale:
+                why = (
+                    f"its {', '.join(sorted(self._released))} memory is released"
+                    if self._released
+                    else ("its weights' memory was resumed without weights")
+                )
+                raise RequestError(
+                    None, f"the server cannot generate: {why} (a weight update or resume first)"
+                )
             rid = rid or uuid.uuid4().hex
             if rid in self._requests:
                 raise RequestError("rid", f"{rid!r} is already in use by an unfinished request")
@@ -222,6 +235,47 @@ class Engine:
     def resume(self) -> None:
         """Continue after ``pause``."""
         self._call(lambda: setattr(self, "_paused", False))
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Give back the memory of ``tags`` (SGLang's release_memory_occupation), only while idle: the weights'
+        storage is freed (buffers such as rotary tables are kept, as SGLang keeps its static state), the KV
+        cache is per request here, so there is none to free. Generation is refused until it is resumed."""
+        tags = _memory_tags(tags)
+
+        def release() -> None:
+            if self._batch.rows or self._waiting:
+                raise RequestError(
+                    None, "release_memory_occupation needs an idle server: requests are running"
+                )
+            if "weights" in tags and "weights" not in self._released:
+                for param in self._batch.model.parameters():
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                _empty_device_cache(self.device)
+            self._released |= set(tags)
+
+        self._call(release)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of ``tags`` released before (SGLang's resume_memory_occupation); resumed
+        weights hold no values until the next weight update."""
+        tags = _memory_tags(tags)
+
+        def resume() -> None:
+            if not set(tags) <= self._released:
+                raise RequestError("tags", f"{sorted(set(tags) - self._released)} not released")
+            if "weights" in tags:
+                for name, param in self._batch.model.named_parameters():
+                    param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+                self._stale = True
+            self._released -= set(tags)
+
+        self._call(resume)
+
+    @property
+    def memory(self) -> dict:
+        """What the server holds: the tags released, and whether its weights wait for an update."""
+        held = sum(p.nbytes for p in self._batch.model.parameters())
+        return {"released": sorted(self._released), "weights_stale": self._stale, "weights_bytes": held}
 
     def update_weights(self, model_path: str, weight_version: Any = None, abort_all: bool = True) -> str:
         """Load new weights from an HF directory and swap them in between two decode steps; returns the
@@ -281,6 +335,8 @@ class Engine:
         As SGLang: without abort_all, running requests finish first and new ones wait, unless generation is
         paused (then the update goes ahead, and paused requests continue on the new weights); the version is
         the one sent, else the current one."""
+        if "weights" in self._released:
+            raise RequestError(None, "the weights' memory is released: resume_memory_occupation first")
         with self._update_lock:
             try:
                 if not abort_all and not self._paused:
@@ -291,6 +347,7 @@ class Engine:
                     if abort_all:
                         self._abort_now(lambda req: True, "aborted for a weight update")
                     apply()
+                    self._stale = False
                     if weight_version is not None:
                         self.weight_version = str(weight_version)
                     return self.weight_version
@@ -415,6 +472,22 @@ class Engine:
                 "num_running_reqs": len(running),
                 "num_queued_reqs": len(self._requests) - len(running),
                 "paused": self._paused,
+                "memory": self.memory,
                 "healthy": self.healthy,
                 "stats": dict(self._batch.stats),
             }
+
+
+def _memory_tags(tags: list[str] | None) -> list[str]:
+    """SGLang's tags of release/resume_memory_occupation: none or empty means all."""
+    if tags is None or tags == []:
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
+        raise RequestError("tags", f"must be a list of {', '.join(MEMORY_TAGS)}, got {tags!r}")
+    return tags
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    """Hand freed blocks back to the device, where the trainer process allocates them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -14,6 +14,9 @@ a route does not use are ignored, as SGLang ignores them)::
     POST /abort_request             {"rid"} or {"abort_all": true}
     POST /pause_generation          {"mode": "abort" | "in_place" | "retract"}
     POST /continue_generation
+    POST /release_memory_occupation {"tags": ["weights", "kv_cache", "cuda_graph"] or null (all)}: only while
+                                    idle; the weights' storage is freed and /generate refused meanwhile
+    POST /resume_memory_occupation  {"tags"}: resumed weights hold no values; /generate waits for an update
     POST|GET /flush_cache           no prefix cache here: always succeeds
     GET  /health, /health_generate  200 while serving, 503 when the engine stopped
     GET  /model_info, /server_info  (also under SGLang's older names /get_model_info, /get_server_info)
@@ -105,6 +108,8 @@ class App:
             ("POST", "/abort_request"): self.abort_request,
             ("POST", "/pause_generation"): self.pause_generation,
             ("POST", "/continue_generation"): self.continue_generation,
+            ("POST", "/release_memory_occupation"): self.release_memory_occupation,
+            ("POST", "/resume_memory_occupation"): self.resume_memory_occupation,
             ("POST", "/flush_cache"): self.flush_cache,
             ("GET", "/flush_cache"): self.flush_cache,
             ("GET", "/health"): self.health,
@@ -209,6 +214,14 @@ class App:
     def continue_generation(self, body: dict) -> tuple[int, Any]:
         self.engine.resume()
         return 200, {"success": True, "message": "generation continued"}
+
+    def release_memory_occupation(self, body: dict) -> tuple[int, Any]:
+        self.engine.release_memory(body.get("tags"))
+        return 200, None  # SGLang answers with an empty body
+
+    def resume_memory_occupation(self, body: dict) -> tuple[int, Any]:
+        self.engine.resume_memory(body.get("tags"))
+        return 200, None
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:
         return 200, {"success": True, "message": "cache flushed (the built-in server keeps no prefix cache)"}

@@ -33,6 +33,8 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
         cmd += ["--context-length", str(spec.context_length)]
     # The client decodes the answers (gen.client); the original launched its servers so, and with metrics.
     cmd += ["--skip-tokenizer-init", "--enable-metrics", "--log-level", spec.log_level]
+    if spec.memory_saver:  # without it release_memory_occupation frees nothing
+        cmd.append("--enable-memory-saver")
     return cmd
 
 

@@ -1,0 +1,108 @@
+"""Colocated generation on one GPU: a random-weight model of Qwen2.5-0.5B's shape trains a few GRPO steps while
+its built-in server shares the GPU, releasing its memory during each step's training and taking it back for
+the new weights (from a disk snapshot). Not part of the test suite (tests/test_colocated.py covers the same
+turns on the CPU).
+
+    python tools/gpu_check_colocated.py [--steps 3] [--shape 0.5b]
+
+Samples every process's GPU memory (nvidia-smi) during the run and prints the server's: held while it
+generates, and left while the trainer trains. Exits 1 when the run fails, a step did not release and resume
+the server's memory, or the server kept more than a fifth of its weights' memory while released.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from areal_hpc.config import load_config  # noqa: E402
+from areal_hpc.control.heartbeat import last_beat  # noqa: E402
+from areal_hpc.control.rundir import run_dir_of  # noqa: E402
+from areal_hpc.launch.local import run_local  # noqa: E402
+from areal_hpc.monitor.stats import read_stats  # noqa: E402
+from tools.bench_train import SHAPES, build_model  # noqa: E402
+
+TINY = REPO / ".cache" / "tiny"
+
+
+def gpu_memory_mib() -> dict[int, int]:
+    """MiB of GPU memory each process holds now."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return {int(pid): int(mib) for pid, mib in (line.split(", ") for line in out.strip().splitlines())}
+
+
+def sample(samples: dict[int, list[int]], stop: threading.Event, every: float = 0.2) -> None:
+    while not stop.is_set():
+        for pid, mib in gpu_memory_mib().items():
+            samples[pid].append(mib)
+        time.sleep(every)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    ns = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gpu-colocated-") as root:
+        model = Path(root) / "model"
+        n_params = build_model(ns.shape, model, "cuda")
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the toy's prompts; its ids are in range
+            shutil.copy(TINY / "model" / name, model / name)
+        cfg = load_config(
+            [REPO / "configs/toy-cpu.yaml"],
+            [
+                f"cluster.fileroot={root}", "trial_name=colocated", f"actor.path={model}",
+                f"dataset.path={TINY / 'data/easy/train.jsonl'}", f"dataset.valid_path={TINY / 'data/easy/test.jsonl'}",
+                "allocation_mode=d1p1m1", "weight_update_mode=disk", "cluster.n_nodes=1", "cluster.n_gpus_per_node=1",
+                "actor.dtype=bfloat16", "dataset.train_bs_n_seqs=16", "group_size=4", "ppo.gen.max_new_tokens=256",
+                f"exp_ctrl.benchmark_steps={ns.steps}", "logging.tensorboard=false", "logging.progress=false",
+            ],
+        )  # fmt: skip
+        samples: dict[int, list[int]] = defaultdict(list)
+        stop = threading.Event()
+        sampler = threading.Thread(target=sample, args=(samples, stop), daemon=True)
+        sampler.start()
+        start = time.monotonic()
+        code = run_local(cfg)
+        stop.set()
+        sampler.join()
+        run = run_dir_of(cfg)
+        print(
+            f"{ns.shape} ({n_params / 1e9:.2f} B parameters): run exit code {code} in {time.monotonic() - start:.0f} s"
+        )
+        if code != 0:
+            print(run.logs)
+            return 1
+        trainer = last_beat(run.heartbeats, "trainer0")["pid"]
+        servers = {pid: mib for pid, mib in samples.items() if pid != trainer}
+        weights_mib = n_params * 2 / 2**20
+        ok = True
+        for pid, mib in servers.items():
+            held, left = max(mib), min(mib[mib.index(max(mib)) :])  # after it first held its peak
+            print(f"server pid {pid}: holds {held} MiB generating, {left} MiB while released "
+                  f"(weights {weights_mib:.0f} MiB, trainer peak {max(samples[trainer])} MiB)")  # fmt: skip
+            ok &= held - left > 0.8 * weights_mib
+        steps = [r for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r]
+        for r in steps:
+            print(f"step {r['step']}: e2e {r['timeperf/e2e']:.1f} s, release {r['timeperf/release_memory']:.2f} s, "
+                  f"resume {r['timeperf/resume_memory']:.2f} s, weight update {r['timeperf/weight_sync']:.2f} s")  # fmt: skip
+        ok &= len(steps) == ns.steps and bool(servers)
+        print("colocated check:", "OK" if ok else "FAILED")
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
