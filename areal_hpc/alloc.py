@@ -264,12 +264,14 @@ class GpuRank:
 
 @dataclass(frozen=True)
 class GenServer:
-    """One generation server: one tensor-parallel group of the generation layout, inside one node."""
+    """One generation server: one tensor-parallel group of the generation layout, inside one node, or on
+    whole consecutive nodes from `node` on (SGLang's multi-node tensor parallelism: a task per node)."""
 
     index: int
     gpus: tuple[int, ...]
     node: int
-    local_gpus: tuple[int, ...]
+    local_gpus: tuple[int, ...]  # on each of its nodes
+    n_nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -343,9 +345,20 @@ class Allocation:
         groups = [gpus[start : start + tp] for start in range(0, len(gpus), tp)]
         per_node = self.n_gpus_per_node
         return tuple(
-            GenServer(i, group, group[0] // per_node, tuple(g % per_node for g in group))
+            GenServer(
+                i,
+                group,
+                group[0] // per_node,
+                tuple(g % per_node for g in group if g // per_node == group[0] // per_node),
+                len({g // per_node for g in group}),
+            )
             for i, group in enumerate(groups)
         )
+
+    def gen_tasks(self) -> tuple[tuple[GenServer, int], ...]:
+        """(server, node rank) of each gen_server task, in task order: a server's node ranks on its
+        consecutive nodes, as Slurm's block distribution places a step's tasks."""
+        return tuple((server, rank) for server in self.gen_servers() for rank in range(server.n_nodes))
 
     def _ranks(self, placement: Placement, role: Literal["gen", "train"]) -> dict[int, GpuRank]:
         out = {}
@@ -399,11 +412,12 @@ def _cluster_problem(alloc: Allocation) -> str | None:
     if alloc.n_nodes > 1 and n_gen + n_train != n_gpus:
         return f"a multi-node run must use every GPU of every node, but uses {n_gen + n_train}; {cluster}"
     for server in alloc.gen_servers():
-        last_node = server.gpus[-1] // per_node
-        if last_node != server.node:
+        whole_nodes = server.gpus[0] % per_node == 0 and len(server.gpus) % per_node == 0
+        if server.n_nodes > 1 and not whole_nodes:
             return (
                 f"generation server {server.index} (tensor parallel size {len(server.gpus)}) would span "
-                f"nodes {server.node}-{last_node}; a server must fit in one node"
+                f"nodes {server.node}-{server.gpus[-1] // per_node} in part; a server must fit in one node "
+                f"or take whole nodes (a tensor size that is a multiple of {per_node})"
             )
     return None
 

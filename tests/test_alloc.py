@@ -197,6 +197,20 @@ def test_gpu_map_node_and_local_gpu_and_servers_within_nodes():
     ]
 
 
+def test_a_server_wider_than_a_node_takes_whole_nodes_and_a_task_on_each():
+    alloc = resolve_allocation("sglang.d2p1m16+d32p1m1", 8, 8)
+    servers = alloc.gen_servers()
+    assert [(s.node, s.n_nodes, s.local_gpus) for s in servers] == [
+        (0, 2, tuple(range(8))),
+        (2, 2, tuple(range(8))),
+    ]
+    assert [(server.index, rank) for server, rank in alloc.gen_tasks()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(
+        AllocationError, match="would span nodes 0-1 in part; a server must fit in one node or take"
+    ):
+        resolve_allocation("sglang.d2p1m12+d40p1m1", 8, 8)
+
+
 def test_small_generation_shares_its_node_with_training():
     alloc = resolve_allocation("mock.d1p1m2+d6p1m1", 1, 8)
     assert alloc.gen_servers() == (GenServer(0, (0, 1), 0, (0, 1)),)

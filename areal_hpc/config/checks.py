@@ -135,11 +135,6 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
             for key, value in dataclasses.asdict(cfg.sglang).items()
             if value != defaults[key]
         ]
-    if backend == "sglang" and tensor > cfg.cluster.n_gpus_per_node:
-        out.append(
-            f"'allocation_mode': an SGLang server of tensor size {tensor} spans nodes of "
-            f"{cfg.cluster.n_gpus_per_node} GPUs; multi-node servers are not launched yet"
-        )
     if tensor > 1 and not gen.tensor_parallel:
         out.append(
             f"'allocation_mode': generation backend {backend!r} has no tensor parallelism: its servers' "

@@ -2,7 +2,7 @@
 
     <fileroot>/<user>/<experiment>/<trial>/   (0700)
       config.yaml  secret  status.json  FINISHED  progress.json  start.json  version.json  ledger.jsonl
-      heartbeat/<role>.json  mailbox/<worker>/  gen_servers/<i>.json  dist_init
+      heartbeat/<role>.json  mailbox/<worker>/  gen_servers/<i>.json (+ <i>.dist_init.json)  dist_init
       data/step<N>/  rollouts/ (+ dropped/)  weights/v<N>/  checkpoints/<role>/<name>/  recover/step<N>/
       logs/attempt<N>/<role>.log  logs/stats.jsonl  logs/failed_attempts  slurm/ (scripts, jobs.json)
 
@@ -102,6 +102,10 @@ class RunDir:
     def gen_address(self, index: int) -> Path:
         """{"url", ...} of generation server `index`, once it serves."""
         return self.gen_servers / f"{index}.json"
+
+    def gen_dist_init(self, index: int) -> Path:
+        """{"addr", "attempt"}: where the node ranks of multi-node server `index` meet (its node rank 0)."""
+        return self.gen_servers / f"{index}.dist_init.json"
 
     @property
     def dist_init(self) -> Path:

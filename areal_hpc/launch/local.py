@@ -66,7 +66,7 @@ def task_gpus(allocation: alloc.Allocation, role: str, index: int) -> tuple[int,
     """The GPUs a task sees: a server its tensor-parallel group, a trainer rank every training GPU (it picks
     its own by rank), the CPU roles none."""
     if role == "gen_server":
-        return allocation.gen_servers()[index].gpus
+        return allocation.gen_tasks()[index][0].gpus
     return allocation.layout("actor_train").gpus if role == "trainer" else ()
 
 

@@ -93,7 +93,7 @@ class LaunchPlan:
 def role_tasks(cfg: ExperimentConfig, allocation: alloc.Allocation) -> dict[str, int]:
     """The roles of a run and the tasks of each: the one plan of both launchers (Slurm steps here, local
     processes in `launch.local`), which a role checks its task count against."""
-    tasks = {"gen_server": len(allocation.gen_servers()), "trainer": allocation.n_train_gpus, "controller": 1}
+    tasks = {"gen_server": len(allocation.gen_tasks()), "trainer": allocation.n_train_gpus, "controller": 1}
     if cfg.experiment_type == "ppo" and cfg.async_rl:
         tasks["rollout"] = 1  # generation manager, rollout workers and verifier, beside the controller
     return tasks
@@ -104,7 +104,7 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
     allocation = allocation_of(cfg)
     tasks = role_tasks(cfg, allocation)
     slurm = cfg.cluster.slurm
-    gen_nodes = sorted({s.node for s in allocation.gen_servers()})
+    gen_nodes = sorted({g // allocation.n_gpus_per_node for g in allocation.server_layout.gpus})
     train_nodes = sorted({g // allocation.n_gpus_per_node for g in allocation.layout("actor_train").gpus})
     shared = set(gen_nodes) & set(train_nodes)
     colocated = allocation.gen_layout is None
@@ -157,12 +157,12 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
 
 
 def _gen_step(cfg: ExperimentConfig, allocation: alloc.Allocation, n_nodes: int) -> Step:
-    """The generation servers; colocated, on the trainers' GPUs, which they share (overlap)."""
-    n_servers, tp = len(allocation.gen_servers()), allocation.gen_tensor
+    """The generation servers (a task per node of each); colocated, on the trainers' GPUs, which they share."""
+    tasks = allocation.gen_tasks()
     gpus_per_node = len(allocation.server_layout.gpus) // n_nodes
     colocated = allocation.gen_layout is None
-    cpus = cfg.cluster.slurm.cpus_per_gpu * tp
-    return Step("gen_server", n_nodes, n_servers, gpus_per_node, cpus, overlap=colocated)
+    cpus = cfg.cluster.slurm.cpus_per_gpu * len(tasks[0][0].local_gpus)
+    return Step("gen_server", n_nodes, len(tasks), gpus_per_node, cpus, overlap=colocated)
 
 
 def _train_step(cfg: ExperimentConfig, allocation: alloc.Allocation, n_nodes: int) -> Step:

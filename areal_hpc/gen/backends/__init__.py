@@ -12,6 +12,7 @@ weight-update handshake (`areal_hpc.weights`: SGLang's weight group and routes).
 from __future__ import annotations
 
 import importlib
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -38,6 +39,10 @@ class ServerSpec:
     cpu_threads: int = 1  # torch's CPU threads (roles on one machine share its cores)
     public_host: str = "127.0.0.1"  # the address clients reach it at (a child server's URL)
     memory_saver: bool = False  # colocated: its memory is released while the trainers train (SGLang's flag)
+    # A server wider than a node: one process per node, meeting at node rank 0's dist_init_addr (host:port).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     # SGLang's own, their defaults config.SGLangConfig's:
     mem_fraction_static: float = _SGLANG.mem_fraction_static
     context_length: int | None = _SGLANG.context_length
@@ -54,6 +59,13 @@ class Server(Protocol):
 
     def stop(self) -> None:
         """Stop serving (running requests end with finish reason abort) and free its resources."""
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (SGLang takes no port 0); the server binds it a moment later."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def start_server(backend: str, spec: ServerSpec) -> Server:

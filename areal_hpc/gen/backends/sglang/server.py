@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 
-from areal_hpc.gen.backends import ServerSpec
+from areal_hpc.gen.backends import ServerSpec, free_port
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECS = 30.0
@@ -35,14 +34,10 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
     cmd += ["--skip-tokenizer-init", "--enable-metrics", "--log-level", spec.log_level]
     if spec.memory_saver:  # without it release_memory_occupation frees nothing
         cmd.append("--enable-memory-saver")
+    if spec.nnodes > 1:  # node rank 0 serves HTTP, the others run their part of the model
+        cmd += ["--dist-init-addr", spec.dist_init_addr, "--nnodes", str(spec.nnodes)]
+        cmd += ["--node-rank", str(spec.node_rank)]
     return cmd
-
-
-def free_port(host: str) -> int:
-    """A port free on `host` now (SGLang takes no port 0); the server binds it a moment later."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SGLangServer:
