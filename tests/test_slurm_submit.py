@@ -84,6 +84,20 @@ def test_toy_runs_as_one_heterogeneous_job_and_both_components_complete(
     assert f"COMPLETE  jobs {job_id}" in capsys.readouterr().out
 
 
+def test_a_colocated_run_shares_the_trainers_gpu_with_its_server(
+    slurm_env, tmp_path, tiny_model_dir, easy_data
+):
+    """One plain job on the train partition; the server's step overlaps the trainer's GPU (srun --overlap): without
+    sharing, the second step would wait for the GPU the first holds and no step would run."""
+    colocated = ["allocation_mode=d1p1m1", "weight_update_mode=disk", "cluster.n_nodes=1"]
+    run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "colocated", 2, *colocated)
+    assert slurm.wait_final([job_id], timeout=180) == {job_id: "COMPLETED"}, runs.log_files(run)
+    steps = [r for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all("timeperf/release_memory" in r for r in steps)
+    logs = {name: (run.attempt_logs(0) / f"{name}.log").read_text() for name in ("gen_server0", "trainer0")}
+    assert all("CUDA_VISIBLE_DEVICES=0" in text for text in logs.values()), logs
+
+
 def test_stop_cancels_every_component_within_10_seconds(slurm_env, tmp_path, tiny_model_dir, easy_data):
     run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, easy_data, "stop", steps=1000)
     wait_for_step(run, 1)

@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -107,6 +108,9 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
         ctx = run_context(run, role)
         name = ctx.name
         setup_logging(ctx.cfg.logging.level, name)
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")  # the job step's GPUs, for GPU binding issues
+        logging.info("%s on %s, attempt %d%s", name, socket.gethostname(), ctx.attempt,
+                     f", CUDA_VISIBLE_DEVICES={gpus}" if gpus else "")  # fmt: skip
         # The controller beats for servers in a job of their own, the rollout role for the controller. A failure
         # is recorded (abort) before the heartbeat says "stopped", so that servers report its cause.
         with Heartbeat(run.heartbeats, name) if role in SINGLE_ROLES else contextlib.nullcontext():
