@@ -183,15 +183,8 @@ class Engine:
         with self._cond:
             if not self.healthy:
                 raise RuntimeError("the generation engine is not running")
-            if self._released or self._stale:
-                why = (
-                    f"its {', '.join(sorted(self._released))} memory is released"
-                    if self._released
-                    else ("its weights' memory was resumed without weights")
-                )
-                raise RequestError(
-                    None, f"the server cannot generate: {why} (a weight update or resume first)"
-                )
+            if why := self._unready():
+                raise RequestError(None, f"the server cannot generate: {why}")
             rid = rid or uuid.uuid4().hex
             if rid in self._requests:
                 raise RequestError("rid", f"{rid!r} is already in use by an unfinished request")
@@ -270,6 +263,16 @@ class Engine:
             self._released -= set(tags)
 
         self._call(resume)
+
+    def _unready(self) -> str | None:
+        """Why generation is refused now (a colocated server between turns), or None."""
+        if self._released:
+            return (
+                f"its {', '.join(sorted(self._released))} memory is released: resume_memory_occupation first"
+            )
+        if self._stale:
+            return "its weights' memory came back without weights: update them first"
+        return None
 
     @property
     def memory(self) -> dict:
