@@ -20,7 +20,7 @@ LAYERS = (
     ("config",),
     ("control",),
     ("algo", "data", "monitor"),
-    ("weights", "recover"),
+    ("weights", "recover", "reward"),
     ("gen", "train"),
     ("eval",),
     ("master",),
