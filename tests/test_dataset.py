@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.data import CodeTests
 from areal_hpc.data.dataset import (
     DatasetFormatError,
     SamplerStateError,
@@ -60,10 +61,16 @@ def test_defaults_and_lenient_fields(tmp_path):
     lines = [
         {"query_id": 7, "prompt": "p", "solutions": ["\\boxed{1}"], "extra": "ignored"},
         "",
-        {"query_id": "c", "prompt": "write code", "task": "code"},
+        {
+            "query_id": "c",
+            "prompt": "add",
+            "task": "code",
+            "input_output": {"inputs": ["1 2"], "outputs": ["3"]},
+        },
     ]
     records = read_prompt_records(write_lines(tmp_path / "d.jsonl", lines))
-    assert records == [("7", "p", "math", ("\\boxed{1}",)), ("c", "write code", "code", ())]
+    tests = CodeTests(("1 2",), ("3",))
+    assert records == [("7", "p", "math", ("\\boxed{1}",), None), ("c", "add", "code", (), tests)]
 
 
 @pytest.mark.parametrize(
@@ -78,6 +85,26 @@ def test_defaults_and_lenient_fields(tmp_path):
         ({"query_id": "x", "prompt": "p", "solutions": "\\boxed{1}"}, "'solutions' must be a non-empty list"),
         ({"query_id": "x", "prompt": "p", "solutions": []}, "'solutions' must be a non-empty list"),
         ({"query_id": "x", "prompt": "p", "task": "code", "solutions": [1]}, "'solutions' must be a list"),
+        ({"query_id": "x", "prompt": "p", "task": "stem"}, "'solutions' must be a non-empty list"),
+        ({"query_id": "x", "prompt": "p", "task": "code"}, "a code task needs 'input_output'"),
+        (
+            {
+                "query_id": "x",
+                "prompt": "p",
+                "task": "code",
+                "input_output": '{"inputs": ["1"], "outputs": []}',
+            },
+            "'input_output': needs one output per input and at least one case, got 1 and 0",
+        ),
+        (
+            {
+                "query_id": "x",
+                "prompt": "p",
+                "task": "code",
+                "input_output": {"inputs": ["x"], "outputs": ["1"], "fn_name": "f"},
+            },
+            "'input_output': case 0: a function call's arguments and result must be JSON",
+        ),
         ({"query_id": "q", "prompt": "p", "solutions": ["1"]}, "duplicate query_id 'q' (first on line 1)"),
     ],
 )

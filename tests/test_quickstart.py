@@ -98,7 +98,9 @@ def test_the_commands_run_on_slurm_by_other_tests_are_the_ones_named():
 def test_the_dataset_line_is_a_valid_dataset(tmp_path):
     (line,) = blocks("json")
     (tmp_path / "d.jsonl").write_text(line)
-    assert read_prompt_records(tmp_path / "d.jsonl") == [("q1", "What is 3 + 4?", "math", ("\\boxed{7}",))]
+    assert read_prompt_records(tmp_path / "d.jsonl") == [
+        ("q1", "What is 3 + 4?", "math", ("\\boxed{7}",), None)
+    ]
 
 
 def test_the_extras_it_installs_exist():

@@ -22,6 +22,7 @@ from areal_hpc.config.schema import (
     ModelConfig,
     OptimizerConfig,
     PPOConfig,
+    RewardConfig,
     SGLangConfig,
     TrainedModelConfig,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigError",
     "DatasetConfig",
     "EvalConfig",
+    "RewardConfig",
     "SGLangConfig",
     "ExpCtrlConfig",
     "ExperimentConfig",

@@ -227,6 +227,19 @@ class SGLangConfig:
 
 
 @dataclass
+class RewardConfig:
+    """How answers are scored: math and stem tasks by the math verifier, code tasks by running their tests."""
+
+    code_time_secs: float = opt(
+        6.0, "CPU seconds of one code test case (the original's 6); the wall clock allows twice that.", gt=0
+    )
+    code_memory_mb: int = opt(1024, "Address space of a code answer's program, in MiB.", ge=64)
+    code_workers: int = opt(
+        4, "Code answers checked at once by a rollout process (each case a program).", ge=1
+    )
+
+
+@dataclass
 class LoggingConfig:
     level: str = opt("INFO", "Log level of every role.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     progress: bool = opt(True, "`areal-hpc run` shows a progress line (step, reward, ETA) as steps finish.")
@@ -338,6 +351,7 @@ class ExperimentConfig:
     exp_ctrl: ExpCtrlConfig = opt(ExpCtrlConfig, "When to save, checkpoint, evaluate and stop.")
     eval: EvalConfig = opt(EvalConfig, "Evaluation of the saved checkpoints (REFERENCE.md section 8).")
     sglang: SGLangConfig = opt(SGLangConfig, "SGLang generation servers (allocation_mode sglang.*).")
+    reward: RewardConfig = opt(RewardConfig, "Scoring the answers of math, stem and code tasks.")
     recover_mode: str = opt(
         "disabled",
         "auto: resume if a checkpoint exists; resume: must resume; fault: fresh, retries resume; disabled.",

@@ -1,6 +1,7 @@
 """Data: prompt datasets and their sampler, packed batch files (HDF5), the rollout store, SFT sequences.
 
 dataset  the JSONL prompt format, tokenized datasets, ShardedSampler (resumable, sharded by global rank)
+code_tests  a code task's test cases (the original's input_output)
 batch    packed arrays of sequences in HDF5 batch files: write, read, select, gather by reference
 store    RolloutStore: finished groups of asynchronous RL waiting to be trained on
 sft      supervised warm-up sequences (prompt + reference solution)
@@ -16,6 +17,7 @@ from areal_hpc.data.batch import (
     select,
     write_batch,
 )
+from areal_hpc.data.code_tests import CodeTests, CodeTestsError, parse_code_tests
 from areal_hpc.data.dataset import (
     DatasetFormatError,
     PromptDataset,
@@ -33,6 +35,8 @@ from areal_hpc.data.store import RolloutStore
 __all__ = [
     "CU",
     "BatchError",
+    "CodeTests",
+    "CodeTestsError",
     "DatasetFormatError",
     "PromptDataset",
     "PromptSample",
@@ -41,6 +45,7 @@ __all__ = [
     "ShardedSampler",
     "gather",
     "load_prompt_dataset",
+    "parse_code_tests",
     "read_attrs",
     "read_batch",
     "read_keys",

@@ -5,7 +5,8 @@ A dataset line (REFERENCE.md section 6)::
     {"query_id": "q1", "prompt": "What is 3 + 4?", "task": "math", "solutions": ["\\boxed{7}"]}
 
 ``task`` is one of math | code | stem and defaults to math; ``solutions`` (a list of strings, normally each
-with a ``\\boxed{}`` answer) is required for math and optional otherwise. Other fields are ignored.
+with a ``\\boxed{}`` answer) is required for math and stem and optional for code, whose ``input_output`` holds
+its test cases (data/code_tests.py). Other fields are ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from areal_hpc.config import DatasetConfig, ExpCtrlConfig, InputError
+from areal_hpc.data.code_tests import CodeTests, CodeTestsError, parse_code_tests
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class PromptSample:
     input_ids: tuple[int, ...]
     task: str
     solutions: tuple[str, ...]
+    tests: CodeTests | None = None  # a code task's
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,11 @@ def _show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _parse_line(obj: Any, where: str) -> tuple[str, str, str, tuple[str, ...]]:
-    """Validate one decoded line; return (query_id, prompt, task, solutions)."""
+Record = tuple[str, str, str, tuple[str, ...], CodeTests | None]  # query_id, prompt, task, solutions, tests
+
+
+def _parse_line(obj: Any, where: str) -> Record:
+    """Validate one decoded line; return (query_id, prompt, task, solutions, tests)."""
     if not isinstance(obj, dict):
         raise DatasetFormatError(f"{where}: expected a JSON object, got {_show(obj)}")
 
@@ -92,20 +98,28 @@ def _parse_line(obj: Any, where: str) -> tuple[str, str, str, tuple[str, ...]]:
         raise DatasetFormatError(f"{where}: 'task' must be one of {', '.join(TASKS)}, got {_show(task)}")
 
     solutions = obj.get("solutions")
-    if solutions is None and task != "math":
+    if solutions is None and task == "code":
         solutions = []
     if (
         not isinstance(solutions, list)
         or not all(isinstance(s, str) for s in solutions)
-        or (task == "math" and not solutions)
+        or (task != "code" and not solutions)
     ):
-        what = "a non-empty list of strings" if task == "math" else "a list of strings"
+        what = "a list of strings" if task == "code" else "a non-empty list of strings"
         raise DatasetFormatError(f"{where}: 'solutions' must be {what}, got {_show(solutions)}")
-    return query_id, prompt, task, tuple(solutions)
+    tests = None
+    if task == "code":
+        if "input_output" not in obj:
+            raise DatasetFormatError(f"{where}: a code task needs 'input_output', its test cases")
+        try:
+            tests = parse_code_tests(obj["input_output"])
+        except CodeTestsError as e:
+            raise DatasetFormatError(f"{where}: 'input_output': {e}") from None
+    return query_id, prompt, task, tuple(solutions), tests
 
 
-def read_prompt_records(path: str | Path) -> list[tuple[str, str, str, tuple[str, ...]]]:
-    """Read and validate a JSONL dataset; return (query_id, prompt, task, solutions) per line, in order."""
+def read_prompt_records(path: str | Path) -> list[Record]:
+    """Read and validate a JSONL dataset; return (query_id, prompt, task, solutions, tests) per line, in order."""
     path = Path(path)
     records = []
     first_line: dict[str, int] = {}
@@ -160,8 +174,8 @@ def load_prompt_dataset(
     # A chat template writes its own special tokens; adding them again would double the BOS of some models.
     all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
     samples = tuple(
-        PromptSample(query_id, prompt, tuple(ids), task, solutions)
-        for (query_id, prompt, task, solutions), ids in zip(records, all_ids, strict=True)
+        PromptSample(query_id, prompt, tuple(ids), task, solutions, tests)
+        for (query_id, prompt, task, solutions, tests), ids in zip(records, all_ids, strict=True)
         if len(ids) <= max_prompt_len
     )
     n_dropped = len(records) - len(samples)

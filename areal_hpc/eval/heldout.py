@@ -1,4 +1,4 @@
-"""Held-out greedy accuracy during training: one greedy answer per prompt, scored by the math verifier."""
+"""Held-out greedy accuracy during training: one greedy answer per prompt, scored by its task's reward."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 
-def greedy_accuracy(clients: Sequence, prompts: Sequence, verifier, max_new_tokens: int) -> float:
+def greedy_accuracy(clients: Sequence, prompts: Sequence, rewards, max_new_tokens: int) -> float:
     """Fraction of prompts whose greedy answer is correct; prompts are spread over the servers."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "n": 1}
     chunks = [list(range(i, len(prompts), len(clients))) for i in range(len(clients))]
@@ -20,8 +20,8 @@ def greedy_accuracy(clients: Sequence, prompts: Sequence, verifier, max_new_toke
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         texts = list(pool.map(answer, chunks, clients))
     items = [
-        (text, list(prompts[i].solutions))
+        (text, prompts[i])
         for chunk, part in zip(chunks, texts, strict=True)
         for i, text in zip(chunk, part, strict=True)
     ]
-    return sum(verifier.verify_batch(items)) / max(len(items), 1)
+    return sum(rewards.score_batch(items)) / max(len(items), 1)

@@ -1,4 +1,4 @@
-"""Synchronous rollout of one step: prompts -> generation servers -> math reward -> a packed batch file.
+"""Synchronous rollout of one step: prompts -> generation servers -> rewards -> a packed batch file.
 
 Each prompt's group_size answers go to one server (prefix-cache reuse, as the original's manager does),
 prompts are spread round-robin over the servers, and all requests of a step are in flight at once.
@@ -100,7 +100,7 @@ def pack_groups(
 
 def rollout_step(
     clients: Sequence,
-    verifier,
+    rewards,
     prompts: Sequence[PromptSample],
     cfg: ExperimentConfig,
     path: Path,
@@ -111,10 +111,8 @@ def rollout_step(
     params = [group_params(cfg, p.query_id, epoch) for p in prompts]
     generated = generate_groups(clients, prompts, params)
     gen_secs = time.monotonic() - start
-    items = [
-        (text, list(p.solutions)) for p, group in zip(prompts, generated, strict=True) for _, text in group
-    ]
-    success = np.asarray(verifier.verify_batch(items), dtype=np.float32)
+    items = [(text, p) for p, group in zip(prompts, generated, strict=True) for _, text in group]
+    success = np.asarray(rewards.score_batch(items), dtype=np.float32)
     groups = [[answer for answer, _ in group] for group in generated]
     arrays = pack_groups(prompts, groups, success)
     arrays["rewards"] = scores(success, cfg)

@@ -9,7 +9,6 @@ import time
 
 from transformers import AutoTokenizer
 
-from areal_hpc.algo import MathVerifier
 from areal_hpc.control import (
     START_TIMEOUT_SECS,
     Ledger,
@@ -24,6 +23,7 @@ from areal_hpc.data import RolloutStore, run_steps, training_prompts
 from areal_hpc.gen import discovery
 from areal_hpc.gen.manager import GenerationManager, ManagerState
 from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker, used_prompts
+from areal_hpc.reward import TaskRewards
 
 logger = logging.getLogger("rollout")
 VERSION_POLL_SECS = 0.05
@@ -48,8 +48,8 @@ def run(ctx: RunContext) -> None:
     )  # fmt: skip
     stop = threading.Event()
     n_workers = cfg.n_rollout_workers or ctx.allocation.n_train_gpus
-    with MathVerifier(n_workers=2) as verifier:
-        shared = RolloutContext(cfg, train, clients, verifier, manager, store, tokenizer, stop, done)
+    with TaskRewards(cfg.reward, math_workers=2) as rewards:
+        shared = RolloutContext(cfg, train, clients, rewards, manager, store, tokenizer, stop, done)
         workers = [
             RolloutWorker(i, n_workers, shared, -(-max_concurrent // n_workers)) for i in range(n_workers)
         ]

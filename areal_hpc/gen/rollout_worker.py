@@ -3,7 +3,7 @@
 Rollout workers each own a shard of the prompts (`ShardedSampler` rank i of n_rollout_workers) and run
 several rollouts at once on threads. Before starting a group, a thread asks the `GenerationManager` for a
 rollout (the staleness bound); the group's group_size answers go to one server as one request and are
-continued after interruptions (`partial.generate_group`); the verifier scores them; a group whose success
+continued after interruptions (`partial.generate_group`); their task's reward scores them; a group whose success
 rate is outside [success_rate_lb, success_rate_ub] is dropped (a marker in the store says so), any other is
 written to the store. A resumed run skips the prompts that are already used in their epoch (`done`: trained
 on or dropped, from the ledger, or waiting in the store).
@@ -37,7 +37,7 @@ class RolloutContext:
     cfg: ExperimentConfig
     dataset: PromptDataset
     clients: Sequence
-    verifier: object
+    rewards: object  # reward.TaskRewards
     manager: GenerationManager
     store: RolloutStore
     tokenizer: object
@@ -105,9 +105,7 @@ class RolloutWorker:
             ctx.manager.release(group, n_tokens)
             ctx.manager.close_group(group)
         texts = [ctx.tokenizer.decode(list(a.output_ids), skip_special_tokens=True) for a in answers]
-        success = np.asarray(
-            ctx.verifier.verify_batch([(t, list(prompt.solutions)) for t in texts]), np.float32
-        )
+        success = np.asarray(ctx.rewards.score_batch([(t, prompt) for t in texts]), np.float32)
         if not cfg.success_rate_lb <= float(success.mean()) <= cfg.success_rate_ub:
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch)
             return False

@@ -16,16 +16,16 @@ class HeldoutEval:
     """Logged as eval/greedy_acc at the step it was taken; a component of recover checkpoints (its history)."""
 
     def __init__(
-        self, clients: Sequence, prompts: PromptDataset | None, verifier, max_new_tokens: int, stats: StatsLog
+        self, clients: Sequence, prompts: PromptDataset | None, rewards, max_new_tokens: int, stats: StatsLog
     ):
-        self.clients, self.prompts, self.verifier = clients, prompts, verifier
+        self.clients, self.prompts, self.rewards = clients, prompts, rewards
         self.max_new_tokens, self.stats = max_new_tokens, stats
         self.history: list[tuple[int, float]] = []
 
     def __call__(self, step: int) -> float | None:
         if self.prompts is None:
             return None
-        acc = greedy_accuracy(self.clients, self.prompts, self.verifier, self.max_new_tokens)
+        acc = greedy_accuracy(self.clients, self.prompts, self.rewards, self.max_new_tokens)
         self.stats.write(step, {"eval/greedy_acc": acc})
         logger.info("Held-out greedy accuracy after %d steps: %.3f", step, acc)
         self.history.append((step, acc))

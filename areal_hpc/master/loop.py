@@ -66,7 +66,7 @@ class Master:
         data: tuple[PromptDataset, PromptDataset | None],
         trainers,
         clients: list,
-        verifier,
+        rewards,
         tokenizer,
         local: bool = True,
     ):
@@ -80,11 +80,11 @@ class Master:
         elif cfg.async_rl:
             self.source = StoreRollouts(cfg, run, self.guard)
         else:
-            self.source = SyncRollouts(cfg, run, train, clients, verifier)
+            self.source = SyncRollouts(cfg, run, train, clients, rewards)
         self.buffer = Buffer(graph)
         self.counter = make_counter(cfg, len(train))
         self.stats = StatsLog(run.stats)
-        self.evaluate = HeldoutEval(clients, heldout, verifier, cfg.ppo.gen.max_new_tokens, self.stats)
+        self.evaluate = HeldoutEval(clients, heldout, rewards, cfg.ppo.gen.max_new_tokens, self.stats)
         self.save_ctl, self.eval_ctl, self.ckpt_ctl = (
             frequency(cfg.exp_ctrl, w) for w in ("save", "eval", "ckpt")
         )

@@ -6,7 +6,6 @@ import logging
 
 from transformers import AutoTokenizer
 
-from areal_hpc.algo import MathVerifier
 from areal_hpc.control import RUNNING, START_TIMEOUT_SECS, RunContext, complete, set_status
 from areal_hpc.data import load_prompt_dataset, training_prompts
 from areal_hpc.gen import discovery
@@ -14,6 +13,7 @@ from areal_hpc.master.graph import build_graph
 from areal_hpc.master.loop import Master
 from areal_hpc.master.trainers import TrainerGroup
 from areal_hpc.recover import Checkpoints, resumes
+from areal_hpc.reward import TaskRewards
 
 logger = logging.getLogger("controller")
 
@@ -34,10 +34,10 @@ def run(ctx: RunContext) -> None:
     trainers = TrainerGroup(run, ctx.allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
     graph = build_graph(cfg, trainer_only=True)
-    with MathVerifier(n_workers=1) as verifier:
+    with TaskRewards(cfg.reward, math_workers=1) as rewards:
         try:
             data = (train, heldout)
-            master = Master(cfg, run, graph, data, trainers, clients, verifier, tokenizer, local=ctx.local)
+            master = Master(cfg, run, graph, data, trainers, clients, rewards, tokenizer, local=ctx.local)
             # USR2: checkpoint at the end of the step; SIGTERM: checkpoint the last finished step now.
             master.guard.notice.install(on_term=cfg.recover_mode != "disabled")
             master.run(resume_from, ctx.attempt)

@@ -85,15 +85,15 @@ class PromptSteps:
 
 
 class SyncRollouts(PromptSteps):
-    def __init__(self, cfg: ExperimentConfig, run: RunDir, dataset: PromptDataset, clients, verifier):
+    def __init__(self, cfg: ExperimentConfig, run: RunDir, dataset: PromptDataset, clients, rewards):
         super().__init__(cfg, run, dataset)
-        self.clients, self.verifier = clients, verifier
+        self.clients, self.rewards = clients, rewards
 
     def next(self, step: int) -> StepBatch:
         """Generate and score the step's groups."""
         prompts, epoch = self.prompts()
         path = self.run.step_data(step) / "rollout.h5"
-        path, stats = rollout_step(self.clients, self.verifier, prompts, self.cfg, path, epoch)
+        path, stats = rollout_step(self.clients, self.rewards, prompts, self.cfg, path, epoch)
         ids = [p.query_id for p in prompts]
         return StepBatch([(str(path), ids)], self.cfg.group_size, [(i, epoch) for i in ids], stats)
 

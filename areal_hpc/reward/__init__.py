@@ -1,9 +1,22 @@
-"""Rewards beyond math: model-written code run against its tests in a sandbox.
+"""Rewards: each answer scored by its prompt's task; code answers run against their tests in a sandbox.
 
+rewards  TaskRewards: the task's scorer for each answer (math and stem: the math verifier; code: its tests)
+code     CodeVerifier: an answer's last Python block against every test case, the original's rule
 sandbox  Sandbox: a program in a fresh directory under limits, isolated from the host where the OS allows
 jail     the inside of a sandbox (stdlib only; run by `unshare`)
 """
 
+from areal_hpc.reward.code import CodeVerifier, extract_code, outputs_match
+from areal_hpc.reward.rewards import TaskRewards
 from areal_hpc.reward.sandbox import Limits, Protections, Result, Sandbox
 
-__all__ = ["Limits", "Protections", "Result", "Sandbox"]
+__all__ = [
+    "CodeVerifier",
+    "Limits",
+    "Protections",
+    "Result",
+    "Sandbox",
+    "TaskRewards",
+    "extract_code",
+    "outputs_match",
+]
