@@ -7,6 +7,7 @@ import pytest
 from areal_hpc.config import RewardConfig
 from areal_hpc.data import CodeTests, PromptSample
 from areal_hpc.reward import CodeVerifier, Limits, Sandbox, TaskRewards, extract_code, outputs_match
+from areal_hpc.reward.stem import stem_verdict
 
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 ADD_TESTS = CodeTests(("1 2\n", "40 2\n"), ("3\n", "42\n"))
@@ -73,8 +74,25 @@ def test_each_answer_is_scored_by_its_task():
         items = [
             ("\\boxed{2}", math),
             ("\\boxed{3}", math),
-            ("\\boxed{B}", stem),
+            ("So the answer is (B).", stem),
+            ("\\boxed{A}", stem),
             (ADD, code),
             ("\\boxed{3}", code),
         ]
-        assert rewards.score_batch(items) == [1.0, 0.0, 1.0, 1.0, 0.0]
+        assert rewards.score_batch(items) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "response, solution, verdict",
+    [
+        ("The answer is \\boxed{B}", "\\boxed{B}", True),
+        ("Answer: (C). Not B? No, C.", "B", False),  # the last letter it states
+        ("I pick B) neon", "(B)", True),
+        ("\\boxed{3.14159}", "\\boxed{3.1416}", True),  # within 1e-4
+        ("\\boxed{45}", "\\boxed{0.45}", True),  # a percentage
+        ("\\boxed{3.2}", "\\boxed{3.1416}", None),  # the math verifier decides
+        ("\\boxed{x^2}", "\\boxed{x \\cdot x}", None),
+    ],
+)
+def test_stem_letters_and_numbers_as_the_original_takes_them(response, solution, verdict):
+    assert stem_verdict(response, solution) is verdict

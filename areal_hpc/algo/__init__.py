@@ -8,7 +8,7 @@ math_verify MathVerifier: the math reward in a pool of worker processes, each ch
 """
 
 from areal_hpc.algo.advantages import compute_advantages, response_mask
-from areal_hpc.algo.math_parse import response_answer
+from areal_hpc.algo.math_parse import reference_answer, response_answer
 from areal_hpc.algo.math_verify import MathVerifier, VerifierError
 from areal_hpc.algo.packing import (
     AlgoInputError,
@@ -31,6 +31,7 @@ __all__ = [
     "compute_advantages",
     "critic_loss",
     "ffd_pack",
+    "reference_answer",
     "response_answer",
     "response_mask",
     "seq_index",

@@ -1,5 +1,6 @@
-"""Each answer scored by its prompt's task: math and stem by the math verifier (as the original scores stem),
-code by running the task's tests in the sandbox.
+"""Each answer scored by its prompt's task: math by the math verifier; stem by its letter or number where one
+decides it (reward/stem.py), else as math (the original scores stem with its math checker); code by running
+the task's tests in the sandbox.
 
     with TaskRewards(cfg.reward, math_workers=2) as rewards:
         success = rewards.score_batch([(answer_text, prompt_sample), ...])   # in [0, 1] each
@@ -19,6 +20,7 @@ from areal_hpc.config import RewardConfig
 from areal_hpc.data import PromptSample
 from areal_hpc.reward.code import CodeVerifier
 from areal_hpc.reward.sandbox import Limits, Sandbox
+from areal_hpc.reward.stem import stem_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +34,22 @@ class TaskRewards:
 
     def score_batch(self, items: Sequence[tuple[str, PromptSample]]) -> list[float]:
         """Success of each (answer text, its prompt): 1.0 or 0.0."""
-        code = [i for i, (_, prompt) in enumerate(items) if prompt.task == "code"]
-        other = [i for i, (_, prompt) in enumerate(items) if prompt.task != "code"]
         scores = [0.0] * len(items)
-        if other:
-            math = self.math.verify_batch([(items[i][0], list(items[i][1].solutions)) for i in other])
-            for i, score in zip(other, math, strict=True):
+        by_math, by_code = [], []
+        for i, (text, prompt) in enumerate(items):
+            if prompt.task == "code":
+                by_code.append(i)
+            elif (decided := _stem_score(text, prompt)) is not None:
+                scores[i] = decided
+            else:
+                by_math.append(i)
+        if by_math:
+            math = self.math.verify_batch([(items[i][0], list(items[i][1].solutions)) for i in by_math])
+            for i, score in zip(by_math, math, strict=True):
                 scores[i] = float(score)
-        if code:
-            verdicts = self.code.verify_batch([(items[i][0], items[i][1].tests) for i in code])
-            for i, ok in zip(code, verdicts, strict=True):
+        if by_code:
+            verdicts = self.code.verify_batch([(items[i][0], items[i][1].tests) for i in by_code])
+            for i, ok in zip(by_code, verdicts, strict=True):
                 scores[i] = float(ok)
         return scores
 
@@ -65,3 +73,13 @@ class TaskRewards:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stem_score(text: str, prompt: PromptSample) -> float | None:
+    """A stem answer's score where its letter or number decides it (against any of the solutions), else None."""
+    if prompt.task != "stem":
+        return None
+    verdicts = [stem_verdict(text, solution) for solution in prompt.solutions]
+    if True in verdicts:
+        return 1.0
+    return 0.0 if all(v is False for v in verdicts) else None
