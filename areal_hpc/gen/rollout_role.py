@@ -48,7 +48,7 @@ def run(ctx: RunContext) -> None:
     )  # fmt: skip
     stop = threading.Event()
     n_workers = cfg.n_rollout_workers or ctx.allocation.n_train_gpus
-    with TaskRewards(cfg.reward, math_workers=2) as rewards:
+    with TaskRewards(cfg.reward, math_workers=2, tasks={p.task for p in train.samples}) as rewards:
         shared = RolloutContext(cfg, train, clients, rewards, manager, store, tokenizer, stop, done)
         workers = [
             RolloutWorker(i, n_workers, shared, -(-max_concurrent // n_workers)) for i in range(n_workers)

@@ -34,7 +34,7 @@ def run(ctx: RunContext) -> None:
     trainers = TrainerGroup(run, ctx.allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
     graph = build_graph(cfg, trainer_only=True)
-    with TaskRewards(cfg.reward, math_workers=1) as rewards:
+    with TaskRewards(cfg.reward, math_workers=1, tasks={p.task for p in train.samples}) as rewards:
         try:
             data = (train, heldout)
             master = Master(cfg, run, graph, data, trainers, clients, rewards, tokenizer, local=ctx.local)

@@ -2,18 +2,18 @@
 decides it (reward/stem.py), else as math (the original scores stem with its math checker); code by running
 the task's tests in the sandbox.
 
-    with TaskRewards(cfg.reward, math_workers=2) as rewards:
+    with TaskRewards(cfg.reward, math_workers=2, tasks={"math", "code"}) as rewards:
         success = rewards.score_batch([(answer_text, prompt_sample), ...])   # in [0, 1] each
 
-The sandbox is made with the first code answer (its log line says which protections it has), so a run
-without code tasks starts no sandbox.
+The sandbox is made at once when `tasks` has code (its log line says which protections it has), else with the
+first code answer; a run without code tasks starts none.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from areal_hpc.algo import MathVerifier
 from areal_hpc.config import RewardConfig
@@ -26,11 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 class TaskRewards:
-    def __init__(self, cfg: RewardConfig, math_workers: int = 2):
+    def __init__(self, cfg: RewardConfig, math_workers: int = 2, tasks: Collection[str] = ()):
         self.cfg = cfg
         self.math = MathVerifier(n_workers=math_workers)
         self._code: CodeVerifier | None = None
         self._lock = threading.Lock()
+        if "code" in tasks:
+            self.code  # noqa: B018 - made now, so that the log says its protections before the first step
 
     def score_batch(self, items: Sequence[tuple[str, PromptSample]]) -> list[float]:
         """Success of each (answer text, its prompt): 1.0 or 0.0."""
