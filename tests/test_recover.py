@@ -20,6 +20,7 @@ from areal_hpc.master.checkpoint import write_time_warning
 from areal_hpc.master.guard import StepGuard
 from areal_hpc.master.loop import Master
 from areal_hpc.master.sources import StepBatch, StoreRollouts
+from areal_hpc.master.turns import Turns
 from areal_hpc.monitor.stats import StatsLog, read_stats
 from areal_hpc.recover import attempt
 from areal_hpc.recover.checkpoint import Checkpoints
@@ -179,8 +180,9 @@ def test_a_publish_that_fails_after_sigterm_is_skipped_so_that_the_step_can_be_c
 
     guard = StepGuard()
     master = SimpleNamespace(
-        counter=SimpleNamespace(version=3), guard=guard, publisher=ServersGone(), rundir=RunDir(tmp_path)
-    )
+        counter=SimpleNamespace(version=3), guard=guard, publisher=ServersGone(), rundir=RunDir(tmp_path),
+        turns=Turns([], colocated=False, timeout=1.0),
+    )  # fmt: skip
     with pytest.raises(ConnectionResetError):  # without a notice a failed publication fails the run
         Master.publish(master)
     guard.notice.urgent = True  # SIGTERM came while the servers took the weights
