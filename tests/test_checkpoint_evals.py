@@ -49,6 +49,7 @@ def test_a_failed_evaluation_is_logged_and_training_goes_on(toy, tmp_path, caplo
 
 
 @pytest.mark.slurm
+@pytest.mark.slow  # the Slurm executor is test_eval_cli's `eval --submit`; the evaluations, the local test's
 def test_on_slurm_each_checkpoint_is_evaluated_by_a_job_on_the_generation_partition(slurm_env, toy):
     overrides = [*toy.overrides("evals-slurm", 1, *EVAL), "exp_ctrl.save_freq_steps=1"]
     sub = submit.prepare(load_config([ROOT / "configs/toy-cpu.yaml"], overrides))

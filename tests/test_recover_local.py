@@ -107,6 +107,7 @@ def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_th
     )
 
 
+@pytest.mark.slow  # on Slurm: test_slurm_requeue's scontrol requeue (SIGTERM to every task) in make test
 def test_sigterm_to_every_role_checkpoints_the_last_finished_step_and_the_next_attempt_resumes_there(toy):
     # As Slurm stops a job (scancel, requeue, preemption): every process of every task gets SIGTERM at once,
     # the trainers' checkpoint writers too. No periodic checkpoints, so the resume point can only be the one
@@ -140,8 +141,8 @@ def test_sigterm_to_every_role_checkpoints_the_last_finished_step_and_the_next_a
     assert_exactly_once(run, 5, 4)
 
 
-# A killed trainer: also test_a_killed_tensor_parallel_megatron_trainer... below, and on Slurm
-# test_slurm_requeue.py; its plain variant runs with the slow tests.
+# A killed trainer: on Slurm test_slurm_requeue.py (make test); its local variants here, and the megatron one
+# below, run with the slow tests (make test-slow).
 @pytest.mark.parametrize("victim", [pytest.param("trainer0", marks=pytest.mark.slow), "gen_server0"])
 def test_a_killed_trainer_or_server_is_restarted_and_the_run_completes(toy, victim):
     cfg = toy.config(f"kill-{victim.replace('_', '-')}", 4, "exp_ctrl.ckpt_freq_steps=1", "recover_after=0")
@@ -169,6 +170,7 @@ def test_an_asynchronous_run_resumes_with_the_same_ledger_and_close_weights(toy)
     assert all(torch.allclose(expected[k], got[k], atol=1e-5) for k in expected)
 
 
+@pytest.mark.slow  # the megatron engine's own resume is pinned bit for bit in test_megatron_engine
 def test_a_killed_tensor_parallel_megatron_trainer_resumes_from_its_recover_checkpoint(toy):
     tp2 = ("allocation_mode=builtin.d1p1m1+d1p1m2", "cluster.n_nodes=1", "cluster.n_gpus_per_node=3")
     cfg = toy.config("kill-megatron", 4, *tp2, "actor.backend=megatron", "exp_ctrl.ckpt_freq_steps=1",
