@@ -19,8 +19,8 @@ nothing is buffered in this process); the wall-clock limit kills the namespace's
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import marshal
 import os
 import resource
 import shutil
@@ -134,9 +134,9 @@ class Sandbox:
             "root": str(root), "workdir": str(box), "uid": uid, "argv": argv, "env": ENV,
             "system": [*SYSTEM, self._prefix()], "tmp_mb": self.limits.tmp_mb, "limits": self._rlimits(),
         }  # fmt: skip
-        (work / "spec.json").write_text(json.dumps(spec))
+        (work / "spec").write_bytes(marshal.dumps(spec))  # what jail.py reads: a node-local file of this run
         if self.protections.namespaces:
-            cmd = [*self._unshare(), self.python, "-I", "-S", "-B", str(JAIL), str(work / "spec.json")]
+            cmd = [*self._unshare(), self.python, "-I", "-S", "-B", str(JAIL), str(work / "spec")]
             cwd, preexec = None, None
         else:
             cmd, cwd, preexec = argv, box, self._apply_limits
@@ -146,12 +146,20 @@ class Sandbox:
                 cmd, stdin=i, stdout=o, stderr=e, cwd=cwd, env=ENV if preexec else {"PATH": ENV["PATH"]},
                 preexec_fn=preexec, start_new_session=True,
             )  # fmt: skip
+            # A timer kills it at the wall-clock limit (wait(timeout=) polls: up to 50 ms more a run). It is
+            # reaped only after its session is killed, so that no other process can have taken its pid.
+            expired = threading.Event()
+            wall = self.limits.time_secs * 2 + 1.0
+            timer = threading.Timer(wall, lambda: (expired.set(), _kill_group(proc)))
+            timer.start()
             try:
-                code = proc.wait(timeout=self.limits.time_secs * 2 + 1.0)
-            except subprocess.TimeoutExpired:
-                code = None
+                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
             finally:
-                _kill_group(proc)
+                timer.cancel()
+                timer.join()
+                _kill_group(proc)  # what is left of its session (the fallback's children)
+                code = proc.wait()
+            code = None if expired.is_set() else code
         secs = time.monotonic() - start
         out, err = (_read(work / name, self.limits.file_mb) for name in ("stdout", "stderr"))
         return Result(code, out, err, secs, _limit_of(code, err))
@@ -209,9 +217,8 @@ class Sandbox:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """The whole session: unshare (whose --kill-child ends the namespace) or the bare program and its children."""
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _read(path: Path, cap_mb: int) -> str:
