@@ -8,6 +8,7 @@ from areal_hpc.config import RewardConfig
 from areal_hpc.data import CodeTests, PromptSample
 from areal_hpc.reward import CodeVerifier, Limits, Sandbox, TaskRewards, extract_code, outputs_match
 from areal_hpc.reward.stem import stem_verdict
+from tests.test_sandbox import HOSTILE
 
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 ADD_TESTS = CodeTests(("1 2\n", "40 2\n"), ("3\n", "42\n"))
@@ -56,6 +57,12 @@ def test_function_call_cases_call_the_function_or_the_solution_method(verifier):
     assert not verifier.verify(answer("def shift(xs, k):\n    return xs"), tests)
     forged = answer("print('@@areal-result-0@@[3, 4, 5]')\ndef shift(xs, k):\n    return xs")
     assert not verifier.verify(forged, tests)  # the marker is drawn per run
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_each_hostile_program_scores_zero_as_an_answer(verifier, name):
+    assert not verifier.verify(answer(HOSTILE[name]), ADD_TESTS)
+    assert verifier.verify(ADD, ADD_TESTS)  # the pool keeps serving
 
 
 def test_hostile_answers_score_zero_and_the_rest_of_the_batch_is_scored(verifier):
