@@ -106,12 +106,12 @@ class Sandbox:
         self._lock = threading.Lock()
         self.protections = self._probe()
 
-    def run(self, source: str, stdin: str = "", args: tuple[str, ...] = ()) -> Result:
+    def run(self, source: str, stdin: str = "") -> Result:
         """Run Python `source` with `stdin`; what it printed, how it ended, and which limit stopped it."""
         slot = self._take_slot()
         work = Path(tempfile.mkdtemp(prefix="sandbox-", dir=self.workroot))
         try:
-            return self._run(work, slot, source, stdin, args)
+            return self._run(work, slot, source, stdin)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             with self._lock:
@@ -119,7 +119,7 @@ class Sandbox:
 
     # --- one run ------------------------------------------------------------------------------------------
 
-    def _run(self, work: Path, slot: int, source: str, stdin: str, args: tuple[str, ...]) -> Result:
+    def _run(self, work: Path, slot: int, source: str, stdin: str) -> Result:
         box, root = work / "box", work / "root"
         box.mkdir(mode=0o700)
         root.mkdir()
@@ -129,7 +129,7 @@ class Sandbox:
         if uid is not None:
             os.chown(box, uid, uid)
             os.chown(box / "main.py", uid, uid)
-        argv = [self.python, "-I", "-S", "-B", "main.py", *args]
+        argv = [self.python, "-I", "-S", "-B", "main.py"]
         spec = {
             "root": str(root), "workdir": str(box), "uid": uid, "argv": argv, "env": ENV,
             "system": [*SYSTEM, self._prefix()], "tmp_mb": self.limits.tmp_mb, "limits": self._rlimits(),
