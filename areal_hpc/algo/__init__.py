@@ -7,18 +7,25 @@ math_parse  the math reward's rule: the last box of a response against the refer
 math_verify MathVerifier: the math reward in a pool of worker processes, each check under a timeout
 """
 
-from areal_hpc.algo.advantages import compute_advantages, response_mask
-from areal_hpc.algo.math_parse import reference_answer, response_answer
-from areal_hpc.algo.math_verify import MathVerifier, VerifierError
-from areal_hpc.algo.packing import (
-    AlgoInputError,
-    align_next_token,
-    balanced_partition,
-    ffd_pack,
-    seq_index,
-    split_minibatches,
-)
-from areal_hpc.algo.ppo import MaskedStat, actor_loss, critic_loss
+import importlib
+
+# Imported when first used: the math reward's worker processes import this package to reach math_parse, and
+# must not pay for torch (the losses' and advantages' modules) at every start.
+_HOME = {
+    "compute_advantages": "advantages", "response_mask": "advantages",
+    "reference_answer": "math_parse", "response_answer": "math_parse",
+    "MathVerifier": "math_verify", "VerifierError": "math_verify",
+    "AlgoInputError": "packing", "align_next_token": "packing", "balanced_partition": "packing",
+    "ffd_pack": "packing", "seq_index": "packing", "split_minibatches": "packing",
+    "MaskedStat": "ppo", "actor_loss": "ppo", "critic_loss": "ppo",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
 
 __all__ = [
     "AlgoInputError",
