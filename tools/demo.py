@@ -3,7 +3,7 @@
     python tools/demo.py [--fileroot runs] [extra overrides for the GRPO run ...]
 
 Exits non-zero when the policy did not learn: task reward of the last 5 steps must beat the first 5 by
-at least 0.3, and held-out greedy accuracy must rise. Ends with the path of the learning curve (a PNG).
+at least 0.2, and held-out greedy accuracy must rise. Ends with the path of the learning curve (a PNG).
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from areal_hpc.monitor import plot_run  # noqa: E402
 from areal_hpc.monitor.stats import read_stats  # noqa: E402
 from areal_hpc.monitor.summary import format_table, learning_summary  # noqa: E402
 
-MIN_REWARD_GAIN = 0.3
+# Runs are not reproducible past the first steps (batched float32 numerics in the server change a sample now
+# and then, and 168 steps amplify it): three runs gained +0.274, +0.304 and +0.328 (2026-12-01/02), and greedy
+# accuracy went 0.20 -> 0.34-0.36. The bar sits below that spread; a policy that does not learn gains ~0.
+MIN_REWARD_GAIN = 0.2
 
 
 def last_checkpoint(run_root: Path) -> Path:
