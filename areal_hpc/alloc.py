@@ -324,6 +324,11 @@ class Allocation:
         return dict(sorted(ranks.items()))
 
     @property
+    def colocated(self) -> bool:
+        """The generation servers share the trainers' GPUs (a bare 3D spec)."""
+        return self.mode.kind == "colocated"
+
+    @property
     def gen_tensor(self) -> int:
         """GPUs of one generation server."""
         return self.server_layout.spec.tensor

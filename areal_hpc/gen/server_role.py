@@ -32,7 +32,7 @@ def server_spec(ctx: RunContext, visible: int | None = None, dist_init_addr: str
         model_path=cfg.actor.path, token_file=ctx.run.secret, host=ctx.bind_host, device=device, tp_size=tp,
         seed=cfg.seed + server.index, max_running_requests=cfg.max_running_requests, public_host=ctx.public_host,
         mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length, log_level=sg.log_level,
-        memory_saver=ctx.allocation.mode.kind == "colocated",
+        memory_saver=ctx.allocation.colocated,
         nnodes=server.n_nodes, node_rank=node_rank, dist_init_addr=dist_init_addr,
     )  # fmt: skip
 

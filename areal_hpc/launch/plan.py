@@ -107,8 +107,7 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
     gen_nodes = sorted({g // allocation.n_gpus_per_node for g in allocation.server_layout.gpus})
     train_nodes = sorted({g // allocation.n_gpus_per_node for g in allocation.layout("actor_train").gpus})
     shared = set(gen_nodes) & set(train_nodes)
-    colocated = allocation.gen_layout is None
-    if shared and cfg.cluster.n_nodes > 1 and not colocated:
+    if shared and cfg.cluster.n_nodes > 1 and not allocation.colocated:
         raise PlanError(
             f"allocation_mode: generation and training share node {min(shared)} of a {cfg.cluster.n_nodes}-node "
             f"run; on Slurm each side needs whole nodes: give generation a multiple of n_gpus_per_node "
@@ -125,7 +124,7 @@ def launch_plan(cfg: ExperimentConfig, run: RunDir, workdir: Path | None = None)
     )
     side = tuple(Step(role, 1, 1, 0, 1, overlap=True) for role in tasks if role in SINGLE_ROLES)
     name = f"{cfg.experiment_name}_{cfg.trial_name}"
-    if colocated:
+    if allocation.colocated:
         steps = (gen_step, train_step, *side)
         all_ = _component(
             cfg, "all", slurm.train_partition, len(train_nodes), train_step.gpus_per_node, steps
@@ -160,9 +159,8 @@ def _gen_step(cfg: ExperimentConfig, allocation: alloc.Allocation, n_nodes: int)
     """The generation servers (a task per node of each); colocated, on the trainers' GPUs, which they share."""
     tasks = allocation.gen_tasks()
     gpus_per_node = len(allocation.server_layout.gpus) // n_nodes
-    colocated = allocation.gen_layout is None
     cpus = cfg.cluster.slurm.cpus_per_gpu * len(tasks[0][0].local_gpus)
-    return Step("gen_server", n_nodes, len(tasks), gpus_per_node, cpus, overlap=colocated)
+    return Step("gen_server", n_nodes, len(tasks), gpus_per_node, cpus, overlap=allocation.colocated)
 
 
 def _train_step(cfg: ExperimentConfig, allocation: alloc.Allocation, n_nodes: int) -> Step:
