@@ -99,7 +99,7 @@ def test_a_hung_check_does_not_block_the_others(verifier):
 
 
 def test_a_dead_worker_is_replaced(verifier):
-    victim = verifier._workers[0].process  # as if the kernel's OOM killer had taken it
+    victim = verifier.pool._workers[0].process  # as if the kernel's OOM killer had taken it
     os.kill(victim.pid, signal.SIGKILL)
     victim.join()
     assert verifier.verify_batch([(boxed(n), [boxed(n)]) for n in range(4)]) == [1.0] * 4

@@ -5,6 +5,7 @@ advantages  per-token rewards, GAE over packed sequences, advantage normalisatio
 packing     packed-sequence bookkeeping, balanced partitions, first-fit-decreasing micro-batches
 math_parse  the math reward's rule: the last box of a response against the reference, by Math-Verify
 math_verify MathVerifier: the math reward in a pool of worker processes, each check under a timeout
+timed_pool  TimedPool: calls of one function in worker processes, each killed and replaced when it overruns
 """
 
 import importlib
@@ -15,6 +16,7 @@ _HOME = {
     "compute_advantages": "advantages", "response_mask": "advantages",
     "reference_answer": "math_parse", "response_answer": "math_parse",
     "MathVerifier": "math_verify", "VerifierError": "math_verify",
+    "Outcome": "timed_pool", "PoolError": "timed_pool", "TimedPool": "timed_pool",
     "AlgoInputError": "packing", "align_next_token": "packing", "balanced_partition": "packing",
     "ffd_pack": "packing", "seq_index": "packing", "split_minibatches": "packing",
     "MaskedStat": "ppo", "actor_loss": "ppo", "critic_loss": "ppo",
@@ -31,6 +33,8 @@ __all__ = [
     "AlgoInputError",
     "MaskedStat",
     "MathVerifier",
+    "Outcome",
+    "PoolError",
     "VerifierError",
     "actor_loss",
     "align_next_token",
@@ -43,4 +47,5 @@ __all__ = [
     "response_mask",
     "seq_index",
     "split_minibatches",
+    "TimedPool",
 ]
