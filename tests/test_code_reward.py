@@ -86,7 +86,14 @@ def test_each_answer_is_scored_by_its_task():
             (ADD, code),
             ("\\boxed{3}", code),
         ]
-        assert rewards.score_batch(items) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+        assert rewards.score_batch([(text, prompt, [1, 2]) for text, prompt in items]) == [
+            1.0,
+            0.0,
+            1.0,
+            0.0,
+            1.0,
+            0.0,
+        ]
 
 
 @pytest.mark.parametrize(

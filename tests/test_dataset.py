@@ -70,7 +70,7 @@ def test_defaults_and_lenient_fields(tmp_path):
     ]
     records = read_prompt_records(write_lines(tmp_path / "d.jsonl", lines))
     tests = CodeTests(("1 2",), ("3",))
-    assert records == [("7", "p", "math", ("\\boxed{1}",), None), ("c", "add", "code", (), tests)]
+    assert records == [("7", "p", "math", ("\\boxed{1}",), None, None), ("c", "add", "code", (), tests, None)]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_defaults_and_lenient_fields(tmp_path):
             },
             "'input_output': case 0: a function call's arguments and result must be JSON",
         ),
-        ({"query_id": "q", "prompt": "p", "solutions": ["1"]}, "duplicate query_id 'q' (first on line 1)"),
+        ({"query_id": "q", "prompt": "p", "solutions": ["1"]}, "duplicate query_id 'q' (first at "),
     ],
 )
 def test_malformed_line_is_reported_with_file_and_line(tmp_path, tiny_tokenizer, bad_line, message):

@@ -5,6 +5,7 @@ concurrent.futures cannot kill a running task, hence this small pool: one pipe p
 
     with TimedPool("pkg.mod:check", n_workers=2, timeout=3.0, setup="pkg.mod:warm_up") as pool:
         outcomes = pool.run([(answer, solution), ...])   # Outcome("ok", value) | ("error", traceback) | ("timeout")
+        outcomes = pool.run([(answer,), ...], kwargs=[{"task": "math"}, ...])   # keyword arguments too
 
 `target` and `setup` are "module:function" names, imported in each worker (spawned processes share no objects
 with their parent); `setup(*setup_args)` runs once as a worker starts, before its start-up deadline ends.
@@ -55,7 +56,7 @@ def resolve(name: str) -> Callable:
 
 
 def _serve(conn: Connection, target: str, setup: str | None, setup_args: tuple) -> None:
-    """Worker process: answer argument tuples with ("ok", result) or ("error", traceback) until told to stop.
+    """Worker process: answer (args, kwargs) requests with ("ok", result) or ("error", traceback) until told to stop.
     A coroutine result is run to its end here (an async function is as welcome as a plain one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if setup:
@@ -71,7 +72,8 @@ def _serve(conn: Connection, target: str, setup: str | None, setup_args: tuple) 
         if request is None:
             return
         try:
-            result = fn(*request)
+            args, kwargs = request
+            result = fn(*args, **kwargs)
             if inspect.isawaitable(result):
                 if loop is None:
                     import asyncio
@@ -138,17 +140,20 @@ class TimedPool:
         """Until every worker is ready (a replaced one takes as long to start as the first)."""
         with self._lock:
             while not all(worker.ready for worker in self._workers):
-                self._wait_step([], [], None)
+                self._wait_step([], None)
 
     def run(
         self,
         calls: Sequence[tuple],
+        kwargs: Sequence[dict] | None = None,
         skip: Callable[[int], bool] | None = None,
         on_done: Callable[[int, Outcome], None] | None = None,
     ) -> list[Outcome]:
-        """The outcome of each call (an argument tuple), run concurrently. `skip(i)`, asked as call i is about to
-        start, lets the caller drop calls that earlier outcomes (reported to `on_done` as they come) made moot."""
+        """The outcome of each call (an argument tuple, with `kwargs[i]` if given), run concurrently. `skip(i)`,
+        asked as call i is about to start, lets the caller drop calls that earlier outcomes (reported to
+        `on_done` as they come) made moot."""
         outcomes = [SKIPPED] * len(calls)
+        requests = [(tuple(args), {} if kwargs is None else kwargs[i]) for i, args in enumerate(calls)]
 
         def done(i: int, outcome: Outcome) -> None:
             outcomes[i] = outcome
@@ -165,11 +170,11 @@ class TimedPool:
                         pending.popleft()
                     if not pending:
                         break
-                    if self._send(worker, pending[0], calls[pending[0]]):
+                    if self._send(worker, pending[0], requests[pending[0]]):
                         pending.popleft()
                 if not pending and all(worker.call is None for worker in self._workers):
                     return outcomes
-                self._wait_step(calls, outcomes, done)
+                self._wait_step(calls, done)
 
     def close(self) -> None:
         """Stop the workers (a hung one is killed). Idempotent."""
@@ -196,17 +201,17 @@ class TimedPool:
 
     # -- scheduling (callers hold self._lock) --
 
-    def _send(self, worker: _Worker, index: int, call: tuple) -> bool:
+    def _send(self, worker: _Worker, index: int, request: tuple[tuple, dict]) -> bool:
         """Start a call on an idle worker; False (and the worker replaced) if it had died."""
         try:
-            worker.conn.send(tuple(call))
+            worker.conn.send(request)
         except OSError:
             self._replace(worker, f"{self.name} {worker.process.pid} died while idle")
             return False
         worker.call, worker.deadline = index, time.monotonic() + self.timeout
         return True
 
-    def _wait_step(self, calls: Sequence[tuple], outcomes: list[Outcome], done) -> None:
+    def _wait_step(self, calls: Sequence[tuple], done) -> None:
         """Wait for one reply or deadline; record replies, replace workers that overran or died."""
         waiting = [worker for worker in self._workers if not worker.ready or worker.call is not None]
         delay = max(0.0, min(worker.deadline for worker in waiting) - time.monotonic())

@@ -4,14 +4,18 @@ schema    the dataclasses of every option (help text, choices, bounds); ConfigEr
 loader    YAML files and `key=value` overrides into the schema, each value remembering its file:line
 checks    per-field bounds and choices, cross-field rules, allocation_mode against backends and cluster
 backends  the training and generation backends a config can name, and what each can do
+extensions the user's code a config names (reward.fn, dataset.loader, actor.interface): forms, import, signature
 docs      docs/config.md and `areal-hpc config options`, rendered from the schema
 """
 
+from areal_hpc.config import extensions
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend, megatron_model_problems
 from areal_hpc.config.checks import MFCS_OF, allocation_of, gen_backend, mfc_spec, trainer_models
 from areal_hpc.config.docs import render_markdown, render_options
+from areal_hpc.config.extensions import ExtensionError
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
 from areal_hpc.config.schema import (
+    ActorConfig,
     ConfigError,
     DatasetConfig,
     EvalConfig,
@@ -32,7 +36,9 @@ __all__ = [
     "MFCS_OF",
     "TRAIN_BACKENDS",
     "megatron_model_problems",
+    "ActorConfig",
     "Backend",
+    "ExtensionError",
     "ConfigError",
     "DatasetConfig",
     "EvalConfig",
@@ -49,6 +55,7 @@ __all__ = [
     "allocation_of",
     "gen_backend",
     "dump_yaml",
+    "extensions",
     "load_config",
     "mfc_spec",
     "render_markdown",

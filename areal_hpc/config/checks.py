@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hpc import alloc
+from areal_hpc.config import extensions
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems
 from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
@@ -75,6 +76,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         )
     if not cfg.ppo.disable_value and not cfg.critic.path:
         out.append("'critic.path' is required when 'ppo.disable_value' is false")
+    out += extension_problems(cfg)
     if cfg.eval.enabled and not cfg.eval.data_dir:
         out.append("'eval.data_dir' is required when 'eval.enabled' is true: the folder of <name>.jsonl sets")
     if cfg.ppo.group_adv_norm and cfg.group_size < 2:
@@ -96,6 +98,25 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
                 f"'{name}.optimizer.offload' needs a backend that offloads ({', '.join(able)}); "
                 f"'{name}.backend' is {model.backend!r}"
             )
+    return out
+
+
+def extension_problems(cfg: ExperimentConfig) -> list[str]:
+    """The forms of the extension specs (importing them is the preflight's), and the options they bring."""
+    specs = {
+        "reward.fn": cfg.reward.fn,
+        "dataset.loader": cfg.dataset.loader,
+        "actor.interface": cfg.actor.interface,
+    }
+    out = [p for field, spec in specs.items() if (p := extensions.spec_problem(field, spec))]
+    if cfg.reward.fn is None and cfg.reward.fn_batch:
+        out.append("'reward.fn_batch' is true, but 'reward.fn' is not set: name the batch reward function")
+    mine = {"ppo": "ppo_actor", "sft": "sft"}[cfg.experiment_type]
+    if cfg.actor.interface in ("ppo_actor", "sft") and cfg.actor.interface != mine:
+        out.append(
+            f"'actor.interface' is {cfg.actor.interface!r}, the interface of the other experiment type; "
+            f"experiment_type {cfg.experiment_type} takes {mine!r} (or null)"
+        )
     return out
 
 

@@ -116,6 +116,16 @@ class TrainedModelConfig(ModelConfig):
 
 
 @dataclass
+class ActorConfig(TrainedModelConfig):
+    interface: str | None = opt(
+        None,
+        "What a trainer rank does on the actor's calls (actor_inf, actor_train or sft_train): null: the experiment "
+        "type's (ppo_actor, sft); or 'module:Class' (or a name registered under the entry-point group "
+        "areal_hpc.interfaces), built with the config, with train_step and inference (docs/extending.md).",
+    )
+
+
+@dataclass
 class MicroBatchSpec:
     n_mbs: int = opt(1, "Minimum number of micro-batches.", ge=1)
     max_tokens_per_mb: int = opt(30720, "Token budget of a micro-batch (first-fit-decreasing packing).", ge=1)
@@ -133,6 +143,12 @@ class DatasetConfig:
     train_bs_n_seqs: int = opt(512, "Prompts per training step.", ge=1)
     max_prompt_len: int = opt(1024, "Prompts longer than this many tokens are dropped (and counted).", ge=1)
     apply_chat_template: bool = opt(True, "Wrap each prompt in the tokenizer's chat template.")
+    loader: str = opt(
+        "jsonl",
+        "How path and valid_path are read: jsonl (the format above), or 'module:function' (or a name registered "
+        "under the entry-point group areal_hpc.dataset_loaders) that takes the path and returns the records as "
+        "dicts of the same fields, validated alike (docs/extending.md).",
+    )
 
 
 @dataclass
@@ -237,6 +253,25 @@ class RewardConfig:
     code_workers: int = opt(
         4, "Code answers checked at once by a rollout process (each case a program).", ge=1
     )
+    fn: str | None = opt(
+        None,
+        "A function that scores every answer in place of the task's scorer: 'module:function' or a name "
+        "registered under the entry-point group areal_hpc.reward_fns; called fn(prompt, completion, prompt_ids, "
+        "completion_ids, **fields of the dataset line but prompt), plain or async, returning the score that "
+        "stands for the task success (docs/extending.md); null: by task.",
+    )
+    fn_batch: bool = opt(
+        False,
+        "reward.fn scores a batch: it takes lists (prompts, completions, prompt_ids, completion_ids, each field) "
+        "and returns a list of scores; false: one answer a call.",
+    )
+    fn_timeout_secs: float = opt(
+        15.0,
+        "Longest call of reward.fn (AReaL-lite's 15 s); past it its worker process is killed and replaced and "
+        "its answers score 0.",
+        gt=0,
+    )
+    fn_workers: int = opt(2, "Worker processes calling reward.fn in each process that scores answers.", ge=1)
 
 
 @dataclass
@@ -278,7 +313,7 @@ class ExperimentConfig:
         choices=tuple(GEN_BACKENDS),
     )
     cluster: ClusterConfig = opt(ClusterConfig, "Resources and storage.")
-    actor: TrainedModelConfig = opt(TrainedModelConfig, "The policy being trained.")
+    actor: ActorConfig = opt(ActorConfig, "The policy being trained.")
     ref: ModelConfig = opt(
         ModelConfig, "Reference policy of the KL penalty (ppo.kl_ctl > 0); path null: actor.path."
     )

@@ -6,7 +6,11 @@ A dataset line (REFERENCE.md section 6)::
 
 ``task`` is one of math | code | stem and defaults to math; ``solutions`` (a list of strings, normally each
 with a ``\\boxed{}`` answer) is required for math and stem and optional for code, whose ``input_output`` holds
-its test cases (data/code_tests.py). Other fields are ignored.
+its test cases (data/code_tests.py). Other fields are ignored, unless a ``reward.fn`` scores the answers: it then
+gets every field of the line but the prompt, and needs no solutions or test cases.
+
+``dataset.loader`` may name a function of the user's that reads another format: it takes the path and returns
+the records as dicts, validated as the lines are (config/extensions.py).
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import json
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from areal_hpc.config import DatasetConfig, ExpCtrlConfig, InputError
+from areal_hpc.config import ExpCtrlConfig, ExperimentConfig, InputError, extensions
 from areal_hpc.data.code_tests import CodeTests, CodeTestsError, parse_code_tests
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,8 @@ class PromptSample:
     task: str
     solutions: tuple[str, ...]
     tests: CodeTests | None = None  # a code task's
+    # The line's fields but the prompt, for a reward.fn (None when the answers are scored by task).
+    fields: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -75,11 +81,18 @@ def _show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-Record = tuple[str, str, str, tuple[str, ...], CodeTests | None]  # query_id, prompt, task, solutions, tests
+class Record(NamedTuple):
+    query_id: str
+    prompt: str
+    task: str
+    solutions: tuple[str, ...]
+    tests: CodeTests | None
+    fields: dict[str, Any] | None  # the line but its prompt, kept for a reward.fn
 
 
-def _parse_line(obj: Any, where: str) -> Record:
-    """Validate one decoded line; return (query_id, prompt, task, solutions, tests)."""
+def _parse_line(obj: Any, where: str, scored_by_fn: bool = False) -> Record:
+    """Validate one decoded line. A line scored by a reward.fn needs no solutions nor test cases (the function
+    reads what it needs from the fields it is given)."""
     if not isinstance(obj, dict):
         raise DatasetFormatError(f"{where}: expected a JSON object, got {_show(obj)}")
 
@@ -98,15 +111,19 @@ def _parse_line(obj: Any, where: str) -> Record:
         raise DatasetFormatError(f"{where}: 'task' must be one of {', '.join(TASKS)}, got {_show(task)}")
 
     solutions = obj.get("solutions")
-    if solutions is None and task == "code":
+    optional = task == "code" or scored_by_fn
+    if solutions is None and optional:
         solutions = []
     if (
         not isinstance(solutions, list)
         or not all(isinstance(s, str) for s in solutions)
-        or (task != "code" and not solutions)
+        or not (solutions or optional)
     ):
-        what = "a list of strings" if task == "code" else "a non-empty list of strings"
+        what = "a list of strings" if optional else "a non-empty list of strings"
         raise DatasetFormatError(f"{where}: 'solutions' must be {what}, got {_show(solutions)}")
+    if scored_by_fn:
+        fields = {**{k: v for k, v in obj.items() if k != "prompt"}, "query_id": query_id}
+        return Record(query_id, prompt, task, tuple(solutions), None, fields)
     tests = None
     if task == "code":
         if "input_output" not in obj:
@@ -115,14 +132,11 @@ def _parse_line(obj: Any, where: str) -> Record:
             tests = parse_code_tests(obj["input_output"])
         except CodeTestsError as e:
             raise DatasetFormatError(f"{where}: 'input_output': {e}") from None
-    return query_id, prompt, task, tuple(solutions), tests
+    return Record(query_id, prompt, task, tuple(solutions), tests, None)
 
 
-def read_prompt_records(path: str | Path) -> list[Record]:
-    """Read and validate a JSONL dataset; return (query_id, prompt, task, solutions, tests) per line, in order."""
-    path = Path(path)
-    records = []
-    first_line: dict[str, int] = {}
+def _jsonl_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """(file:line, decoded object) of every non-blank line."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -130,16 +144,40 @@ def read_prompt_records(path: str | Path) -> list[Record]:
                 text = raw.decode("utf-8")
                 if not text.strip():
                     continue
-                obj = json.loads(text)
+                yield where, json.loads(text)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise DatasetFormatError(f"{where}: not a valid JSON line ({e}): {_show(raw)}") from None
-            record = _parse_line(obj, where)
-            if record[0] in first_line:
-                raise DatasetFormatError(
-                    f"{where}: duplicate query_id {record[0]!r} (first on line {first_line[record[0]]})"
-                )
-            first_line[record[0]] = lineno
-            records.append(record)
+
+
+def read_jsonl(path: str | Path) -> Iterator[Any]:
+    """The built-in dataset.loader 'jsonl': the decoded lines of a file (a loader of the user's may wrap it)."""
+    return (obj for _, obj in _jsonl_lines(Path(path)))
+
+
+def _loaded(path: Path, loader: str) -> Iterator[tuple[str, Any]]:
+    """(where, object) of every record of `path` as `loader` reads it."""
+    if loader == "jsonl":  # ours keeps the line numbers
+        yield from _jsonl_lines(path)
+        return
+    records = extensions.load("dataset.loader", loader)(str(path))
+    for i, obj in enumerate(records, start=1):
+        yield f"{path}: record {i} of dataset.loader {loader}", obj
+
+
+def read_prompt_records(path: str | Path, loader: str = "jsonl", scored_by_fn: bool = False) -> list[Record]:
+    """Read and validate a dataset, through `loader` (dataset.loader); one Record per line, in order.
+    `scored_by_fn`: a reward.fn scores the answers (the records keep their fields for it)."""
+    path = Path(path)
+    records = []
+    first: dict[str, str] = {}
+    for where, obj in _loaded(path, loader):
+        record = _parse_line(obj, where, scored_by_fn)
+        if record.query_id in first:
+            raise DatasetFormatError(
+                f"{where}: duplicate query_id {record.query_id!r} (first at {first[record.query_id]})"
+            )
+        first[record.query_id] = where
+        records.append(record)
     if not records:
         raise DatasetFormatError(f"{path}: the dataset holds no records")
     return records
@@ -160,7 +198,12 @@ def _prompt_texts(prompts: Sequence[str], tokenizer: Any, apply_chat_template: b
 
 
 def load_prompt_dataset(
-    path: str | Path, tokenizer: Any, max_prompt_len: int, apply_chat_template: bool = True
+    path: str | Path,
+    tokenizer: Any,
+    max_prompt_len: int,
+    apply_chat_template: bool = True,
+    loader: str = "jsonl",
+    scored_by_fn: bool = False,
 ) -> PromptDataset:
     """Read a JSONL prompt dataset and tokenize its prompts; drop (and count) those over max_prompt_len tokens.
 
@@ -169,13 +212,13 @@ def load_prompt_dataset(
     """
     if not isinstance(max_prompt_len, int) or max_prompt_len < 1:
         raise ValueError(f"max_prompt_len must be a positive integer, got {max_prompt_len!r}")
-    records = read_prompt_records(path)
-    texts = _prompt_texts([r[1] for r in records], tokenizer, apply_chat_template)
+    records = read_prompt_records(path, loader, scored_by_fn)
+    texts = _prompt_texts([r.prompt for r in records], tokenizer, apply_chat_template)
     # A chat template writes its own special tokens; adding them again would double the BOS of some models.
     all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
     samples = tuple(
-        PromptSample(query_id, prompt, tuple(ids), task, solutions, tests)
-        for (query_id, prompt, task, solutions, tests), ids in zip(records, all_ids, strict=True)
+        PromptSample(r.query_id, r.prompt, tuple(ids), r.task, r.solutions, r.tests, r.fields)
+        for r, ids in zip(records, all_ids, strict=True)
         if len(ids) <= max_prompt_len
     )
     n_dropped = len(records) - len(samples)
@@ -190,9 +233,19 @@ def load_prompt_dataset(
     return PromptDataset(Path(path), samples, n_dropped, max_prompt_len)
 
 
-def training_prompts(ds: DatasetConfig, tokenizer: Any) -> PromptDataset:
-    """The training prompts of `ds`; InputError when fewer than one step's batch are short enough to keep."""
-    dataset = load_prompt_dataset(ds.path, tokenizer, ds.max_prompt_len, ds.apply_chat_template)
+def prompts_of(cfg: ExperimentConfig, path: str, tokenizer: Any) -> PromptDataset:
+    """The prompts of one of the run's datasets (dataset.path or valid_path), read as the config says."""
+    ds = cfg.dataset
+    scored_by_fn = cfg.reward.fn is not None
+    return load_prompt_dataset(
+        path, tokenizer, ds.max_prompt_len, ds.apply_chat_template, ds.loader, scored_by_fn
+    )
+
+
+def training_prompts(cfg: ExperimentConfig, tokenizer: Any) -> PromptDataset:
+    """The training prompts; InputError when fewer than one step's batch are short enough to keep."""
+    ds = cfg.dataset
+    dataset = prompts_of(cfg, ds.path, tokenizer)
     if len(dataset) < ds.train_bs_n_seqs:
         raise InputError(
             f"'dataset.path': {len(dataset)} of the {len(dataset) + dataset.n_dropped} prompts of {ds.path} have at "

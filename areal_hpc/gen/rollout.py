@@ -111,7 +111,9 @@ def rollout_step(
     params = [group_params(cfg, p.query_id, epoch) for p in prompts]
     generated = generate_groups(clients, prompts, params)
     gen_secs = time.monotonic() - start
-    items = [(text, p) for p, group in zip(prompts, generated, strict=True) for _, text in group]
+    items = [
+        (text, p, a.output_ids) for p, group in zip(prompts, generated, strict=True) for a, text in group
+    ]
     success = np.asarray(rewards.score_batch(items), dtype=np.float32)
     groups = [[answer for answer, _ in group] for group in generated]
     arrays = pack_groups(prompts, groups, success)

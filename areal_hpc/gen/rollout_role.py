@@ -33,7 +33,7 @@ COUNTERS_SECS = 1.0  # how often the manager's counters are written for `areal-h
 def run(ctx: RunContext) -> None:
     cfg, ds = ctx.cfg, ctx.cfg.dataset
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
-    train = training_prompts(ds, tokenizer)
+    train = training_prompts(cfg, tokenizer)
     clients = discovery.clients(ctx.run, len(ctx.allocation.gen_servers()))
     _, total_steps = run_steps(cfg.exp_ctrl, len(train), ds.train_bs_n_seqs)
     max_concurrent = cfg.max_concurrent_rollouts or ds.train_bs_n_seqs

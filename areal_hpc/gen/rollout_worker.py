@@ -105,7 +105,8 @@ class RolloutWorker:
             ctx.manager.release(group, n_tokens)
             ctx.manager.close_group(group)
         texts = [ctx.tokenizer.decode(list(a.output_ids), skip_special_tokens=True) for a in answers]
-        success = np.asarray(ctx.rewards.score_batch([(t, prompt) for t in texts]), np.float32)
+        items = [(text, prompt, a.output_ids) for text, a in zip(texts, answers, strict=True)]
+        success = np.asarray(ctx.rewards.score_batch(items), np.float32)
         if not cfg.success_rate_lb <= float(success.mean()) <= cfg.success_rate_ub:
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch)
             return False

@@ -1,14 +1,23 @@
 """The inputs a config names, checked before anything is written or submitted: the datasets, every line of
-them (file:line), and the model and tokenizer directories. A bad input fails alike on every attempt, so it must
+them (file:line), the model and tokenizer directories, and the user's code it names (reward.fn,
+dataset.loader, actor.interface: each imports and takes the call it will get). A bad input fails alike on every attempt, so it must
 be refused here, never found by a role, whose failures are retried.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 
-from areal_hpc.config import ExperimentConfig, InputError, gen_backend, trainer_models
+from areal_hpc.config import (
+    ExperimentConfig,
+    ExtensionError,
+    InputError,
+    extensions,
+    gen_backend,
+    trainer_models,
+)
 from areal_hpc.data import DatasetFormatError, read_prompt_records
 from areal_hpc.eval import EvalDataError, load_eval_set
 
@@ -16,7 +25,9 @@ from areal_hpc.eval import EvalDataError, load_eval_set
 def check_inputs(cfg: ExperimentConfig, new_run: bool = True) -> None:
     """Raise InputError listing every problem of the inputs of `cfg`, or return quietly. `new_run`: a run that
     starts afresh (not `submit --recover`), which has no checkpoint to resume."""
-    problems = [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path)]
+    problems = extension_problems(cfg)
+    if not any(p.startswith("'dataset.loader'") for p in problems):  # else every dataset fails alike
+        problems += [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path)]
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
     problems += eval_set_problems(cfg) + writer_problems(cfg) + sglang_problems(cfg)
     if new_run and cfg.recover_mode == "resume":
@@ -79,12 +90,17 @@ def models(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:
 def dataset_problems(cfg: ExperimentConfig, key: str, path: str | None) -> list[str]:
     if not path:
         return [f"'{key}' is not set: give the JSONL file of prompts"]
+    loader = cfg.dataset.loader
     try:
-        records = read_prompt_records(path)
+        records = read_prompt_records(path, loader, scored_by_fn=cfg.reward.fn is not None)
     except OSError as exc:
         return [f"'{key}': cannot read {path}: {exc.strerror or exc}"]
     except DatasetFormatError as exc:
         return [f"'{key}': {exc}"]
+    except Exception as exc:
+        if loader == "jsonl":
+            raise
+        return [f"'dataset.loader' {loader} failed reading {key}={path}: {type(exc).__name__}: {exc}"]
     batch = cfg.dataset.train_bs_n_seqs
     if key == "dataset.path" and len(records) < batch:
         return [
@@ -109,4 +125,72 @@ def model_problems(key: str, path: str | None, tokenizer: bool) -> list[str]:
             load(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             out.append(f"'{key}': {path} holds no loadable Hugging Face {what}: {str(exc).splitlines()[0]}")
+    return out
+
+
+def extension_problems(cfg: ExperimentConfig) -> list[str]:
+    """The user's code the config names imports, and takes the calls the roles will make of it."""
+    out = []
+    checks = (
+        ("dataset.loader", None if cfg.dataset.loader == "jsonl" else cfg.dataset.loader, _loader_problems),
+        ("reward.fn", cfg.reward.fn, _reward_fn_problems),
+        ("actor.interface", cfg.actor.interface, _interface_problems),
+    )
+    for field, spec, problems in checks:
+        if spec is None:
+            continue
+        try:
+            obj = extensions.load(field, spec)
+        except ExtensionError as exc:
+            out.append(str(exc))
+            continue
+        out += [p for p in problems(cfg, spec, obj) if p]
+    return out
+
+
+def _loader_problems(cfg: ExperimentConfig, spec: str, fn) -> list[str | None]:
+    return [
+        extensions.call_problem(
+            "dataset.loader", spec, fn, (str(cfg.dataset.path),), {}, "the dataset's path"
+        )
+    ]
+
+
+def _reward_fn_problems(cfg: ExperimentConfig, spec: str, fn) -> list[str | None]:
+    fields = _first_fields(cfg)
+    if cfg.reward.fn_batch:
+        args, kwargs = (["p"], ["c"], [[1]], [[2]]), {name: [value] for name, value in fields.items()}
+        how = (
+            "lists (prompts, completions, prompt_ids, completion_ids) and each field of the dataset as a list"
+        )
+    else:
+        args, kwargs = ("p", "c", [1], [2]), fields
+        how = "(prompt, completion, prompt_ids, completion_ids, **the fields of a dataset line)"
+    return [extensions.call_problem("reward.fn", spec, fn, args, kwargs, how)]
+
+
+def _first_fields(cfg: ExperimentConfig) -> dict:
+    """The fields reward.fn gets with the first training prompt ({} when the dataset cannot be read: its own
+    check says why)."""
+    try:
+        return read_prompt_records(cfg.dataset.path, cfg.dataset.loader, scored_by_fn=True)[0].fields
+    except Exception:
+        return {}
+
+
+def _interface_problems(cfg: ExperimentConfig, spec: str, cls) -> list[str | None]:
+    out = [extensions.call_problem("actor.interface", spec, cls, (cfg,), {}, "the run's config")]
+    if not inspect.isclass(cls):  # a factory: what it builds is known only when called
+        return out
+    methods = ["train_step"] + (["inference"] if cfg.experiment_type == "ppo" else [])
+    for name in methods:
+        method = getattr(cls, name, None)
+        if method is None:
+            out.append(f"'actor.interface' is {spec!r}, a class without {name} (docs/extending.md)")
+            continue
+        kwargs = {"global_step": 1} if name == "train_step" else {}
+        how = f"{name}(engine, batch, mb_spec{', global_step=...' if kwargs else ''})"
+        out.append(
+            extensions.call_problem("actor.interface", spec, method, (None, "engine", {}, "mb"), kwargs, how)
+        )
     return out

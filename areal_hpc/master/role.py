@@ -7,7 +7,7 @@ import logging
 from transformers import AutoTokenizer
 
 from areal_hpc.control import RUNNING, START_TIMEOUT_SECS, RunContext, complete, set_status
-from areal_hpc.data import load_prompt_dataset, training_prompts
+from areal_hpc.data import prompts_of, training_prompts
 from areal_hpc.gen import discovery
 from areal_hpc.master.graph import build_graph
 from areal_hpc.master.loop import Master
@@ -24,12 +24,10 @@ def run(ctx: RunContext) -> None:
     resume_from = recover_point(ctx)
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     ds = cfg.dataset
-    train = training_prompts(ds, tokenizer)
+    train = training_prompts(cfg, tokenizer)
     logger.info("Loaded %d prompts from %s (%d longer than %d tokens dropped)", len(train), ds.path,
                 train.n_dropped, ds.max_prompt_len)  # fmt: skip
-    heldout = None
-    if ds.valid_path:
-        heldout = load_prompt_dataset(ds.valid_path, tokenizer, ds.max_prompt_len, ds.apply_chat_template)
+    heldout = prompts_of(cfg, ds.valid_path, tokenizer) if ds.valid_path else None
     clients = discovery.clients(run, len(ctx.allocation.gen_servers()), tokenizer)
     trainers = TrainerGroup(run, ctx.allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)

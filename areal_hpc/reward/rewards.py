@@ -1,9 +1,9 @@
 """Each answer scored by its prompt's task: math by the math verifier; stem by its letter or number where one
 decides it (reward/stem.py), else as math (the original scores stem with its math checker); code by running
-the task's tests in the sandbox.
+the task's tests in the sandbox. A `reward.fn` of the user's scores every answer instead (reward/custom.py).
 
     with TaskRewards(cfg.reward, math_workers=2, tasks={"math", "code"}) as rewards:
-        success = rewards.score_batch([(answer_text, prompt_sample), ...])   # in [0, 1] each
+        success = rewards.score_batch([(answer_text, prompt_sample, answer_ids), ...])   # in [0, 1] each
 
 The sandbox is made at once when `tasks` has code (its log line says which protections it has), else with the
 first code answer; a run without code tasks starts none.
@@ -19,6 +19,7 @@ from areal_hpc.algo import MathVerifier
 from areal_hpc.config import RewardConfig
 from areal_hpc.data import PromptSample
 from areal_hpc.reward.code import CodeVerifier
+from areal_hpc.reward.custom import CustomReward, Item
 from areal_hpc.reward.sandbox import Limits, Sandbox
 from areal_hpc.reward.stem import stem_verdict
 
@@ -28,17 +29,21 @@ logger = logging.getLogger(__name__)
 class TaskRewards:
     def __init__(self, cfg: RewardConfig, math_workers: int = 2, tasks: Collection[str] = ()):
         self.cfg = cfg
-        self.math = MathVerifier(n_workers=math_workers)
+        self.custom = CustomReward(cfg) if cfg.fn is not None else None
+        self.math = MathVerifier(n_workers=math_workers) if self.custom is None else None
         self._code: CodeVerifier | None = None
         self._lock = threading.Lock()
-        if "code" in tasks:
-            self.code  # noqa: B018 - made now, so that the log says its protections before the first step
+        if "code" in tasks and self.custom is None:
+            self._make_code()  # now, so that the log says its protections before the first step
 
-    def score_batch(self, items: Sequence[tuple[str, PromptSample]]) -> list[float]:
-        """Success of each (answer text, its prompt): 1.0 or 0.0."""
+    def score_batch(self, items: Sequence[Item]) -> list[float]:
+        """Success of each (answer text, its prompt, the answer's token ids): 1.0 or 0.0 (a reward.fn's own
+        scores as it returns them)."""
+        if self.custom is not None:
+            return self.custom.score_batch(items)
         scores = [0.0] * len(items)
         by_math, by_code = [], []
-        for i, (text, prompt) in enumerate(items):
+        for i, (text, prompt, _) in enumerate(items):
             if prompt.task == "code":
                 by_code.append(i)
             elif (decided := _stem_score(text, prompt)) is not None:
@@ -50,13 +55,13 @@ class TaskRewards:
             for i, score in zip(by_math, math, strict=True):
                 scores[i] = float(score)
         if by_code:
-            verdicts = self.code.verify_batch([(items[i][0], items[i][1].tests) for i in by_code])
+            verdicts = self._make_code().verify_batch([(items[i][0], items[i][1].tests) for i in by_code])
             for i, ok in zip(by_code, verdicts, strict=True):
                 scores[i] = float(ok)
         return scores
 
-    @property
-    def code(self) -> CodeVerifier:
+    def _make_code(self) -> CodeVerifier:
+        """The code verifier, made with the first call."""
         with self._lock:
             if self._code is None:
                 cfg = self.cfg
@@ -66,9 +71,9 @@ class TaskRewards:
             return self._code
 
     def close(self) -> None:
-        self.math.close()
-        if self._code is not None:
-            self._code.close()
+        for scorer in (self.custom, self.math, self._code):
+            if scorer is not None:
+                scorer.close()
 
     def __enter__(self) -> TaskRewards:
         return self

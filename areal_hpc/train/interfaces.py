@@ -1,5 +1,8 @@
 """What a trainer rank does for each model function call (MFC) on its data-parallel part of a batch.
 
+The actor's calls go through its interface (PPOActor, SFTActor, or the user's `actor.interface`); the
+reference policy's and the critic's through the functions here.
+
 Inputs are dicts of numpy arrays as ``data.batch.read_batch`` returns them: this rank's sequences, packed (the
 batch keys of docs/architecture.md). Inference returns the new per-token arrays for ``write_batch``. A train step
 returns statistics under the original's names, reduced over the data-parallel ranks, so every rank returns the
@@ -16,7 +19,7 @@ import numpy as np
 import torch
 
 from areal_hpc.algo import actor_loss, compute_advantages, critic_loss, response_mask
-from areal_hpc.config import MicroBatchSpec, PPOConfig
+from areal_hpc.config import ExperimentConfig, MicroBatchSpec, PPOConfig, extensions
 from areal_hpc.data import CU
 from areal_hpc.train import dist
 from areal_hpc.train.backends import TrainEngine
@@ -263,3 +266,48 @@ def sft_train_step(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -
         "sft/grad_norm": stats["grad_norm"],
         "sft/lr": stats["lr"],
     }
+
+
+# --- the actor's interface (actor.interface) ------------------------------------------------------------------
+
+
+class PPOActor:
+    """The actor's built-in interface ('ppo_actor'): what a trainer rank runs on actor_inf and actor_train.
+
+    An interface of the user's (`actor.interface: my_pkg.algo:MyActor`) is built the same way, with the run's
+    config, and has the same two methods; subclassing this one and changing what differs is the short way.
+    """
+
+    def __init__(self, cfg: ExperimentConfig):
+        self.ppo = cfg.ppo
+
+    def inference(self, engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, np.ndarray]:
+        """actor_inf: the per-token arrays it adds to the batch (``proximal_logprobs``)."""
+        return actor_inference(engine, batch, mb_spec, self.ppo.gen.temperature)
+
+    def train_step(
+        self, engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec, global_step: int | None = None
+    ) -> dict[str, float]:
+        """actor_train: the update, and its statistics (the same dict on every rank)."""
+        return actor_train_step(engine, batch, self.ppo, mb_spec, global_step=global_step)
+
+
+class SFTActor:
+    """The actor's interface under experiment_type sft ('sft'): sft_train only."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+
+    def inference(self, engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, np.ndarray]:
+        raise ValueError("supervised training runs no inference call")
+
+    def train_step(
+        self, engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec, global_step: int | None = None
+    ) -> dict[str, float]:
+        return sft_train_step(engine, batch, mb_spec)
+
+
+def actor_interface(cfg: ExperimentConfig):
+    """The actor's interface object the config names (actor.interface; null: the experiment type's)."""
+    spec = cfg.actor.interface or {"ppo": "ppo_actor", "sft": "sft"}[cfg.experiment_type]
+    return extensions.load("actor.interface", spec)(cfg)

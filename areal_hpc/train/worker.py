@@ -44,6 +44,7 @@ class TrainerHandlers:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.host = host  # where the servers reach this rank's weight-group store
         self.engines: dict[str, TrainEngine] = {}
+        self.actor = interfaces.actor_interface(cfg)  # actor_inf, actor_train, sft_train
         self.copies: dict[str, tuple[str, TrainEngine]] = {}  # MFC -> (model, its copy on the MFC's layout)
         self._stale: set[str] = set()  # the MFCs whose copy is behind its model
         self._snapshots: dict[str, str] = {}  # model -> its HF snapshot folder (param_realloc_mode disk)
@@ -107,7 +108,10 @@ class TrainerHandlers:
         engine, stats = self._engine(mfc, mfc.removesuffix("_inf"))
         mb_spec = getattr(self.cfg, mfc).mb_spec
         if mfc == "actor_inf":
-            out = interfaces.actor_inference(engine, batch, mb_spec, temperature)
+            out = self.actor.inference(engine, batch, mb_spec)
+            if not isinstance(out, dict) or "proximal_logprobs" not in out:
+                raise ValueError(f"actor.interface {type(self.actor).__name__}.inference returned {_keys(out)}; "
+                                 "actor_inf needs a dict with proximal_logprobs")  # fmt: skip
         elif mfc == "ref_inf":
             out = interfaces.ref_inference(engine, batch, mb_spec, temperature)
         else:
@@ -118,20 +122,17 @@ class TrainerHandlers:
 
     def train_step(self, payload: dict) -> dict:
         mfc, batch, cfg = payload["mfc"], gather(payload["refs"]), self.cfg
-        if mfc == "actor_train":
-            stats = interfaces.actor_train_step(
-                self.engines["actor"],
-                batch,
-                cfg.ppo,
-                cfg.actor_train.mb_spec,
-                global_step=payload.get("global_step"),
+        if mfc in ("actor_train", "sft_train"):
+            stats = self.actor.train_step(
+                self.engines["actor"], batch, cfg.actor_train.mb_spec, global_step=payload.get("global_step")
             )
+            if not isinstance(stats, dict):
+                raise ValueError(f"actor.interface {type(self.actor).__name__}.train_step returned {_keys(stats)}, "
+                                 "not a dict of statistics")  # fmt: skip
         elif mfc == "critic_train":
             stats = interfaces.critic_train_step(
                 self.engines["critic"], batch, cfg.ppo, cfg.critic_train.mb_spec
             )
-        elif mfc == "sft_train":
-            stats = interfaces.sft_train_step(self.engines["actor"], batch, cfg.actor_train.mb_spec)
         else:
             raise ValueError(f"trainer cannot run train call {mfc!r}")
         model = "critic" if mfc == "critic_train" else "actor"
@@ -260,3 +261,7 @@ def serve_trainer(ctx: RunContext) -> None:
         if handlers.saver is not None:
             handlers.saver.close()
         dist.destroy()
+
+
+def _keys(out: Any) -> str:
+    return f"a dict of {sorted(out)}" if isinstance(out, dict) else f"a {type(out).__name__}"
