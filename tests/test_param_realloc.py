@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from areal_hpc.alloc import ParallelSpec
 from areal_hpc.config import mfc_spec
 from areal_hpc.config.schema import MicroBatchSpec
-from areal_hpc.data import read_batch, write_batch
+from areal_hpc.data import CU, read_batch, write_batch
 from areal_hpc.train import TrainerHandlers, dist
 from areal_hpc.train.backends import make_engine
 from tests.helpers import Toy
@@ -22,8 +22,22 @@ COPIES = {"d2p1m2": ParallelSpec(2, 2, 1), "d2p2m1": ParallelSpec(2, 1, 2)}  # b
 SPEC = MicroBatchSpec(max_tokens_per_mb=16)
 
 
-def refs(path: str, rows) -> dict[str, list[list]]:
-    return {key: [[path, int(i)] for i in rows] for key in ("packed_input_ids", "prompt_mask")}
+def refs(path: str, rows, keys=("packed_input_ids", "prompt_mask")) -> dict[str, list[list]]:
+    return {key: [[path, int(i)] for i in rows] for key in keys}
+
+
+def ppo_batch(logprobs: torch.Tensor) -> dict[str, np.ndarray]:
+    """An on-policy rollout of the packed sequences: groups of two, one answer right and one wrong."""
+    n = len(LENGTHS)
+    return {
+        **packed(),
+        "prompt_mask": np.zeros(sum(LENGTHS), dtype=bool),
+        "packed_logprobs": logprobs.numpy(),
+        "proximal_logprobs": logprobs.numpy(),
+        "rewards": np.where(np.arange(n) % 2 == 0, 5.0, -5.0).astype(np.float32),
+        "seq_no_eos_mask": np.zeros(n, dtype=bool),
+        "group_ids": np.arange(n) // 2,
+    }
 
 
 def _rank(rank: int, cfg, out: str) -> None:
@@ -50,7 +64,12 @@ def _rank(rank: int, cfg, out: str) -> None:
         before, first = recomputed("before")
         home = mfc_spec(cfg, "actor_train")
         part = np.array_split(np.arange(len(LENGTHS)), home.data)[home.coords(rank)[0]]
-        handlers.train_step({"mfc": "sft_train", "refs": refs(data, part)})
+        rollout = f"{out}/rollout.h5"
+        train = ppo_batch(before)
+        if rank == 0:
+            write_batch(rollout, train)
+        dist.barrier()
+        handlers.train_step({"mfc": "actor_train", "refs": refs(rollout, part, train.keys() - {CU})})
         after, second = recomputed("after")
         copies["d2p1m2"].load_weights(actor.hf_weights())
         actor.save_hf(f"{out}/snapshot")
