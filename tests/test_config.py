@@ -16,6 +16,7 @@ from areal_hpc.config.docs import render_markdown
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 STANDALONE = {"toy-cpu.yaml", "toy-sft.yaml", "qwen3-1.7b-8gpu.yaml"}  # the other shipped configs are layers
+BASES = {"toy-code.yaml": "toy-cpu.yaml"}  # the base of a layer, when not qwen3-1.7b-8gpu.yaml
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -36,8 +37,8 @@ def test_every_option_has_help_text():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     base = (
-        [] if path.name in STANDALONE else [ROOT / "configs/qwen3-1.7b-8gpu.yaml"]
-    )  # the others layer on it
+        [] if path.name in STANDALONE else [ROOT / "configs" / BASES.get(path.name, "qwen3-1.7b-8gpu.yaml")]
+    )
     cfg = load_config([*base, path])
     assert cfg.experiment_name
 

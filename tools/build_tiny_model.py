@@ -11,6 +11,8 @@ Output layout (``--out``, default ``.cache/tiny``)::
     OUT/data/train.jsonl              toy arithmetic questions (tools/make_toy_data.py)
     OUT/data/test.jsonl               held-out questions, disjoint from train
     OUT/data/easy/{train,test}.jsonl  every single-digit question, split (the CPU demo's data)
+    OUT/data/code/{train,test}.jsonl  toy code tasks that all ask for a sum (tools/make_toy_code_data.py;
+                                      configs/toy-code.yaml)
     OUT/MANIFEST.json                 seed, build parameters, builder fingerprint (hash of this code and
                                       the library versions), size and sha256 of every file above
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 if __package__ in (None, ""):  # run as a script: make the `tools` namespace importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.make_toy_code_data import write_code_data  # noqa: E402
 from tools.make_toy_data import make_easy_splits, make_toy_splits, write_jsonl  # noqa: E402
 
 MANIFEST = "MANIFEST.json"
@@ -81,6 +84,8 @@ DEFAULT_PARAMS: dict = {
     "n_train": 1000,
     "n_test": 100,
     "n_easy_test": 50,
+    "n_code_train": 256,
+    "n_code_test": 32,
 }
 
 
@@ -258,7 +263,7 @@ def save_tiny_model(
 def builder_fingerprint() -> str:
     """Hash of the code and library versions that make a build: change either and old builds are redone."""
     digest = hashlib.sha256()
-    for name in ("build_tiny_model.py", "make_toy_data.py"):
+    for name in ("build_tiny_model.py", "make_toy_data.py", "make_toy_code_data.py"):
         digest.update((Path(__file__).resolve().parent / name).read_bytes())
     for package in ("tokenizers", "torch", "transformers"):
         digest.update(f"{package}=={importlib.metadata.version(package)};".encode())
@@ -306,6 +311,7 @@ def _build_into(root: Path, seed: int, params: dict) -> None:
     easy_train, easy_test = make_easy_splits(params["n_easy_test"], seed)
     write_jsonl(root / "data" / "easy" / "train.jsonl", easy_train)
     write_jsonl(root / "data" / "easy" / "test.jsonl", easy_test)
+    write_code_data(root / "data" / "code", params["n_code_train"], params["n_code_test"], seed, ops=("+",))
 
     model_dir = root / "model"
     model_dir.mkdir(parents=True)
