@@ -208,8 +208,11 @@ class Sandbox:
         self.protections = Protections(namespaces=True, own_uid=root)
         probe = self.run("print('ok')")
         if probe.ok and probe.stdout == "ok\n":
-            isolated = ["process limit", "own root file system (system directories read-only)", "no network",
-                        "own PID namespace", "no capabilities", *(["own uid"] if root else [])]  # fmt: skip
+            # The kernel exempts root's processes from the process limit: root in a user namespace has none.
+            nproc = root or os.geteuid() != 0
+            isolated = [*(["process limit"] if nproc else []), "own root file system (system directories "
+                        "read-only)", "no network", "own PID namespace", "no capabilities",
+                        *(["own uid"] if root else [])]  # fmt: skip
             return Protections(True, root, layers=[*base, *isolated])
         why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
         return Protections(False, False, why_not=f"unshare failed ({why})", layers=base)
