@@ -89,6 +89,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=2, help="GPUs of the one node")
     parser.add_argument("--allocation", default="builtin.d1p1m1+d1p1m1", help="allocation_mode")
     parser.add_argument("--backend", default="fsdp", choices=("fsdp", "megatron"), help="actor.backend")
+    parser.add_argument("--set", action="append", default=[], help="a further config override, key=value")
     ns = parser.parse_args()
     rng = random.Random(ns.seed)
     at = ns.kill_at if ns.kill_at is not None else rng.randint(2, ns.steps - 2)
@@ -102,7 +103,7 @@ def main() -> int:
                 f"allocation_mode={ns.allocation}", f"actor.backend={ns.backend}",
                 f"exp_ctrl.benchmark_steps={ns.steps}", "exp_ctrl.ckpt_freq_steps=1", "recover_after=0",
                 f"async_rl={str(ns.async_rl).lower()}", "logging.progress=false",
-                *model_overrides(ns.shape, Path(root)),
+                *model_overrides(ns.shape, Path(root)), *ns.set,
             ],
         )  # fmt: skip
         run = run_dir_of(cfg)
