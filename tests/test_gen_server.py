@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -370,3 +372,49 @@ def test_the_client_decodes_answers_that_come_without_text(tiny_tokenizer):
     finally:
         httpd.shutdown()
     assert answer["text"] == tiny_tokenizer.decode(ids, skip_special_tokens=True) and answer["text"]
+
+
+def test_the_server_keeps_a_connection_open_between_requests(client):
+    conn = http.client.HTTPConnection(urlsplit(client.url).hostname, urlsplit(client.url).port, timeout=10)
+    for _ in range(3):  # a publication sends a request per bucket: no new connection for each
+        conn.request("GET", "/model_info", headers={"Authorization": f"Bearer {TOKEN}"})
+        response = conn.getresponse()
+        assert response.status == 200 and json.loads(response.read())["weight_version"]
+        assert not response.will_close
+    conn.request("POST", "/no_such_route", body=b'{"left": "unread"}')  # the server ends the connection
+    response = conn.getresponse()
+    assert response.status == 404 and response.will_close
+    conn.close()
+
+
+def test_the_client_keeps_its_connection_and_replaces_one_closed_while_idle():
+    connections, close_now = [], threading.Event()
+
+    class ClosesWhenTold(BaseHTTPRequestHandler):  # as uvicorn closes a connection idle for 5 s: no word
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            connections.append(self.client_address)
+            reply = json.dumps({"calls": len(connections)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+            self.close_connection = close_now.is_set()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ClosesWhenTold)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", None)
+        assert [client.model_info()["calls"] for _ in range(3)] == [1, 2, 3]
+        assert len(set(connections)) == 1
+        close_now.set()
+        assert client.model_info()["calls"] == 4  # answered, then the server hangs up
+        close_now.clear()
+        assert client.model_info()["calls"] == 5  # sent again on a new connection
+        assert len(set(connections)) == 2
+    finally:
+        httpd.shutdown()

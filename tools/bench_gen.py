@@ -1,4 +1,5 @@
-"""Benchmark a generation server: generated tokens/s of N concurrent requests vs the same requests one at a time.
+"""Benchmark a generation server: generated tokens/s of N concurrent requests vs the same requests one at a time;
+and the time of a small call (``/model_info``) on a kept connection vs on a new connection each time.
 
 By default it starts the built-in server (a subprocess) on the tiny model and stops it afterwards; with
 ``--url`` and ``--token-file`` it measures a server that is already running (the built-in one or real SGLang).
@@ -16,6 +17,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +95,17 @@ def concurrent(client: GenClient, prompts: list[list[int]], params: dict) -> tup
     return sum(counts), time.perf_counter() - start
 
 
+def call_ms(calls: int, client_of_call) -> float:
+    """Median milliseconds of ``calls`` calls of /model_info, each through ``client_of_call()``."""
+    times = []
+    for _ in range(calls):
+        client = client_of_call()
+        start = time.perf_counter()
+        client.model_info()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def bench(client: GenClient, args: argparse.Namespace) -> dict:
     """Both measurements on one server, after a warm-up request."""
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "ignore_eos": True}
@@ -101,6 +114,9 @@ def bench(client: GenClient, args: argparse.Namespace) -> dict:
     seq_tokens, seq_s = one_at_a_time(client, prompts, params)
     conc_tokens, conc_s = concurrent(client, prompts, params)
     seq_tps, conc_tps = seq_tokens / seq_s, conc_tokens / conc_s
+    # A new client has no connection yet: each of its calls connects, as every call did before keep-alive.
+    fresh = call_ms(args.calls, lambda: GenClient(client.url, client.token, client.timeout))
+    kept = call_ms(args.calls, lambda: client)
     return {
         "requests": args.requests,
         "max_new_tokens": args.max_new_tokens,
@@ -108,6 +124,8 @@ def bench(client: GenClient, args: argparse.Namespace) -> dict:
         "concurrent_tokens_per_s": round(conc_tps, 1),
         "speedup": round(conc_tps / seq_tps, 2),
         "max_requests_per_forward": client.server_info().get("stats", {}).get("max_requests_per_forward"),
+        "call_ms_new_connection": round(fresh, 3),
+        "call_ms_kept_connection": round(kept, 3),
     }
 
 
@@ -124,6 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=1, help="built-in server's torch CPU threads")
     p.add_argument("--device", default="cpu", help="built-in server's device")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--calls", type=int, default=300, help="timed /model_info calls of each kind")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP call")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds for the server to start")
     return p.parse_args(argv)
@@ -143,6 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"one at a time {result['sequential_tokens_per_s']} tok/s, "
         f"concurrent {result['concurrent_tokens_per_s']} tok/s, "
         f"ratio {result['speedup']}x (max {result['max_requests_per_forward']} requests per forward pass)"
+    )
+    print(
+        f"/model_info: {result['call_ms_kept_connection']} ms on a kept connection, "
+        f"{result['call_ms_new_connection']} ms on a new one "
+        f"({result['call_ms_new_connection'] / result['call_ms_kept_connection']:.2f}x)"
     )
     print(json.dumps(result))
     return result
