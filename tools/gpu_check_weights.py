@@ -138,7 +138,7 @@ def _raw_rank(rank: int, port: int, args: argparse.Namespace, n_bytes: int, out:
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     buffer = torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, device=device)
-    ways = {"whole": [buffer], **{mb: buffer.split(mb * 2**20) for mb in args.bucket_mb}}
+    ways = {"whole": [buffer], **{mb: buffer.split(bucket_bytes(mb)) for mb in args.bucket_mb}}
     times: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(1 + args.raw_repeats):  # the first round warms up (NCCL makes its communicator)
         for way, parts in ways.items():
@@ -159,7 +159,7 @@ def raw_broadcast(n_bytes: int, args: argparse.Namespace, work: Path) -> dict:
     ``{"whole": one buffer, MB: in pieces of each --bucket-mb}``."""
     out = work / "raw.json"
     mp.spawn(_raw_rank, args=(_free_port(), args, n_bytes, str(out)), nprocs=2)
-    raw = {(int(way) if way.isdigit() else way): secs for way, secs in json.loads(out.read_text()).items()}
+    raw = json.loads(out.read_text())
     ways = ", ".join(
         f"{way if way == 'whole' else f'in {way} MB pieces'} {secs * 1e3:.1f} ms ({n_bytes / secs / 1e9:.1f} GB/s)"
         for way, secs in raw.items()
@@ -180,7 +180,7 @@ def per_bucket_cost(syncs: dict[int, tuple[int, float]]) -> str | None:
     )
 
 
-def against_raw(mb: int, secs: float, n_bytes: float, raw: dict, args: argparse.Namespace) -> list[str]:
+def against_raw(mb: str, secs: float, n_bytes: float, raw: dict, args: argparse.Namespace) -> list[str]:
     """The publisher's sync in ``mb`` MB buckets beside the raw broadcast in pieces of that size; the targets
     it misses."""
     fraction = raw[mb] / secs
@@ -266,20 +266,22 @@ def check_server(client: GenClient, new, old, version: str, device: str, dtype: 
     return problems
 
 
-def publish_timed(trainer: Trainer, client: GenClient, mb: int, first: int, args) -> tuple[float, float, int]:
+def bucket_bytes(mb: str) -> int:
+    return int(float(mb) * 2**20)
+
+
+def publish_timed(trainer: Trainer, client: GenClient, mb: str, first: int, args) -> tuple[float, float, int]:
     """``--publishes`` publishes through a new group in ``mb`` MB buckets, from version ``first``: the median
     seconds of those after the first (which makes the group), the bytes and the buckets."""
-    publisher = BroadcastPublisher(trainer, [client], args.timeout, mb * 2**20)
-    syncs = []
-    for version in range(first, first + args.publishes):
-        stats = publisher.publish(version)
-        secs, sent = stats["timeperf/weight_sync"], stats["weight_sync/bytes"]
-        setup = stats.get("timeperf/weight_group_init")
-        syncs += [secs] if setup is None else []
-        print(f"  publish {version} ({args.backend}, {len(publisher.buckets)} buckets of <= {mb} MB): sync "
-              f"{secs * 1e3:.1f} ms, {sent / secs / 1e9:.2f} GB/s" + (f"; group setup {setup * 1e3:.1f} ms" if setup else ""))  # fmt: skip
+    publisher = BroadcastPublisher(trainer, [client], args.timeout, bucket_bytes(mb))
+    stats = [publisher.publish(version) for version in range(first, first + args.publishes)]
+    syncs, setup = [s["timeperf/weight_sync"] for s in stats], stats[0]["timeperf/weight_group_init"]
+    sent, median = stats[-1]["weight_sync/bytes"], statistics.median(syncs[1:] or syncs)
+    print(f"  {len(publisher.buckets)} buckets of <= {mb} MB ({args.backend}): the first publish {syncs[0] * 1e3:.1f} ms "
+          f"(group setup {setup * 1e3:.1f} ms), the next {len(syncs) - 1}: median {median * 1e3:.2f} ms, "
+          f"{sent / median / 1e9:.2f} GB/s")  # fmt: skip
     client.destroy_weights_update_group(publisher.group_name)  # a server keeps every group it joined
-    return statistics.median(syncs or [secs]), sent, len(publisher.buckets)
+    return median, sent, len(publisher.buckets)
 
 
 def run_case(
@@ -291,7 +293,8 @@ def run_case(
     n_bytes = sum(t.numel() * t.element_size() for t in old.state_dict().values())
     print(f"== {name}: {config.num_hidden_layers} layers, {n_bytes / 1e9:.3f} GB of bf16 tensors (state dict), "
           f"server in {dtype}")  # fmt: skip
-    raw = raw_broadcast(n_bytes, args, work) if large is not None and not timeout_only else None
+    sweep = large is not None or len(args.bucket_mb) > 1  # the tiny model too, to time what a bucket costs
+    raw = raw_broadcast(n_bytes, args, work) if sweep and not timeout_only else None
     model_dir = work / f"{name}-v0"
     old.save_pretrained(model_dir)
     new = random_model(config, 1, args.trainer_device)
@@ -365,7 +368,9 @@ def main() -> int:
         "--large", default="1.0", help="the larger model: its bf16 GB, or a Qwen2.5 shape (7b); 0: none"
     )
     p.add_argument(
-        "--bucket-mb", default="512", help="bucket sizes in MB, comma-separated: the larger model tries each"
+        "--bucket-mb",
+        default="512",
+        help="bucket sizes in MB (0.0625: 64 KB), comma-separated: each is tried",
     )
     p.add_argument(
         "--publishes", type=int, default=3, help="publishes of each model (the first makes the group)"
@@ -382,7 +387,9 @@ def main() -> int:
     p.add_argument("--check-timeout", action="store_true", help="also check a sync that never comes")
     p.add_argument("--out", default=".", help="folder for the server logs")
     args = p.parse_args()
-    args.bucket_mb = [int(mb) for mb in args.bucket_mb.split(",")]
+    args.bucket_mb = args.bucket_mb.split(",")
+    if not all(bucket_bytes(mb) > 0 for mb in args.bucket_mb):
+        p.error("--bucket-mb: sizes must be > 0")
     n_gpus = torch.cuda.device_count()
     if args.server_device is None:
         args.server_device = "cuda:1" if n_gpus > 1 else args.trainer_device
