@@ -39,6 +39,7 @@ MARGIN_S = {"gloo": 2.0, "nccl": 30.0}
 # Our own timeouts bound every wait of these groups: no NCCL heartbeat monitor (it would kill the process).
 # torch 2.11 still runs its thread for dump checks: it logs a warning when rank 0's store goes away first.
 NCCL_ENV = {"TORCH_NCCL_ENABLE_MONITORING": "0"}
+POLL_S = 0.0002  # how late a broadcast's end is seen, at most, in its first 100 ms
 _GRAVEYARD: list = []  # backends of failed groups: never freed while we run (see WeightGroup.destroy)
 
 
@@ -185,8 +186,8 @@ class WeightGroup:
         self._wait(work, what)
 
     def _wait(self, work, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        sleep = 0.00005
+        start = time.monotonic()
+        deadline, sleep = start + self.timeout_s, 0.00005
         while not work.is_completed():
             if time.monotonic() >= deadline:
                 peers = "the receivers" if self.rank == 0 else "rank 0 (the trainer)"
@@ -197,7 +198,9 @@ class WeightGroup:
                 self._fail(f"timeout on {what}")
                 raise GroupTimeout(message)
             time.sleep(sleep)
-            sleep = min(sleep * 2, 0.002)
+            # A bucket takes milliseconds, and the next waits on it: see it within POLL_S; a wait that goes on
+            # (a slow or lost peer) is polled less often.
+            sleep = min(sleep * 2, POLL_S if time.monotonic() - start < 0.1 else 0.005)
         try:
             work.wait()  # raises the backend's error; on CUDA it also orders the current stream after the op
         except Exception as exc:
