@@ -127,6 +127,12 @@ def test_broadcast_swaps_the_weights_between_steps_and_sets_the_version(client, 
     assert "timeperf/weight_group_init" not in stats
     check_greedy_under(handlers.engines["actor"].model, client.generate(PROMPT, GREEDY)[0])
     assert client.model_info()["weight_version"] == "8"
+
+    # A disk update makes the server a new model: the next broadcast lands in that one.
+    client.update_weights_from_disk(str(tiny_model_dir), 9)
+    handlers.engines["actor"].model.model.norm.weight.data.mul_(2.0)
+    publisher.publish(10)
+    check_greedy_under(handlers.engines["actor"].model, client.generate(PROMPT, GREEDY)[0])
     print(
         f"\ntiny model over gloo, {len(publisher.buckets)} buckets: {stats['timeperf/weight_sync'] * 1e3:.1f} ms"
     )
