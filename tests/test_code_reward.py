@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from areal_hpc.config import RewardConfig
+from areal_hpc.config import InputError, RewardConfig
+from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.data import CodeTests, PromptSample
-from areal_hpc.reward import CodeVerifier, Limits, Sandbox, TaskRewards, extract_code, outputs_match
+from areal_hpc.launch.local import run_local
+from areal_hpc.reward import (
+    CodeVerifier,
+    IsolationError,
+    Limits,
+    Sandbox,
+    TaskRewards,
+    extract_code,
+    outputs_match,
+)
 from areal_hpc.reward.stem import stem_verdict
 from tests.test_sandbox import HOSTILE
 
@@ -110,3 +120,31 @@ def test_each_answer_is_scored_by_its_task():
 )
 def test_stem_letters_and_numbers_as_the_original_takes_them(response, solution, verdict):
     assert stem_verdict(response, solution) is verdict
+
+
+def test_a_run_with_code_tasks_on_a_machine_that_cannot_isolate_stops_before_it_writes_anything(
+    toy, tiny_build, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-unshare"))  # util-linux's unshare is not on it
+    cfg = toy.config("unisolated", 1, f"dataset.path={tiny_build.root / 'data' / 'code' / 'train.jsonl'}")
+    with pytest.raises(
+        InputError, match="'reward.code_isolation': reward.code_isolation is required"
+    ) as refused:
+        run_local(cfg)
+    assert "reward.code_isolation=best_effort" in str(refused.value) and not run_dir_of(cfg).root.exists()
+
+
+def test_a_role_that_scores_code_where_it_cannot_isolate_fails_for_good_or_warns_with_best_effort(
+    tmp_path, monkeypatch, caplog
+):
+    """A Slurm job's roles find it on their nodes: an InputError ends the job without retries."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(IsolationError) as refused:
+        TaskRewards(RewardConfig(), tasks={"math", "code"})
+    assert isinstance(refused.value, InputError)
+    with TaskRewards(RewardConfig(code_isolation="best_effort"), tasks={"code"}) as rewards:
+        assert "NOT isolated" in caplog.text and caplog.records[-1].levelname == "WARNING"
+        code = PromptSample("c", "Add two numbers.", (1,), "code", (), ADD_TESTS)
+        assert rewards.score_batch([(ADD, code, ())]) == [1.0]
+    with TaskRewards(RewardConfig(), tasks={"math"}):  # no code task: no sandbox is made
+        pass

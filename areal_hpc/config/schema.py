@@ -253,6 +253,13 @@ class RewardConfig:
     code_workers: int = opt(
         4, "Code answers checked at once by a rollout process (each case a program).", ge=1
     )
+    code_isolation: str = opt(
+        "required",
+        "required: a run whose nodes cannot isolate model-written code (namespaces, seccomp: docs/cluster.md) "
+        "stops before its first step, saying what the site must allow; best_effort: the code then runs with "
+        "the limits that hold there, and can read what the run's user can read and use the network.",
+        choices=("required", "best_effort"),
+    )
     fn: str | None = opt(
         None,
         "A function that scores every answer in place of the task's scorer: 'module:function' or a name "

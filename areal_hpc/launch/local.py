@@ -155,7 +155,7 @@ def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
     """Create the run directory, then run attempts until one completes, fails for good or is interrupted;
     0 only when the run completed."""
     out = out or sys.stdout
-    check_inputs(cfg)
+    check_inputs(cfg, here=True)
     run = create_run_dir(cfg)
     print(f"run directory: {run.root}", file=out)
     restarts = 0 if cfg.recover_mode == "disabled" else cfg.recover_retries

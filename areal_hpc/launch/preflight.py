@@ -1,7 +1,8 @@
 """The inputs a config names, checked before anything is written or submitted: the datasets, every line of
 them (file:line), the model and tokenizer directories, and the user's code it names (reward.fn,
-dataset.loader, actor.interface: each imports and takes the call it will get). A bad input fails alike on every attempt, so it must
-be refused here, never found by a role, whose failures are retried.
+dataset.loader, actor.interface: each imports and takes the call it will get), and under `areal-hpc run` that
+this machine isolates model-written code. A bad input fails alike on every attempt, so it must be refused here,
+never found by a role, whose failures are retried.
 """
 
 from __future__ import annotations
@@ -20,16 +21,20 @@ from areal_hpc.config import (
 )
 from areal_hpc.data import DatasetFormatError, read_prompt_records
 from areal_hpc.eval import EvalDataError, load_eval_set
+from areal_hpc.reward import IsolationError, Limits, Sandbox
 
 
-def check_inputs(cfg: ExperimentConfig, new_run: bool = True) -> None:
+def check_inputs(cfg: ExperimentConfig, new_run: bool = True, here: bool = False) -> None:
     """Raise InputError listing every problem of the inputs of `cfg`, or return quietly. `new_run`: a run that
-    starts afresh (not `submit --recover`), which has no checkpoint to resume."""
+    starts afresh (not `submit --recover`), which has no checkpoint to resume. `here`: the roles run on this
+    machine (`areal-hpc run`), so what they need of it is tried now (a Slurm job's roles try it on their nodes)."""
     problems = extension_problems(cfg)
+    tasks: set[str] = set()
     if not any(p.startswith("'dataset.loader'") for p in problems):  # else every dataset fails alike
-        problems += [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path)]
+        problems += [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path, tasks)]
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
     problems += eval_set_problems(cfg) + writer_problems(cfg) + sglang_problems(cfg)
+    problems += isolation_problems(cfg, tasks) if here else []
     if new_run and cfg.recover_mode == "resume":
         problems.append(
             "'recover_mode' is resume, but a new run has no recover checkpoint to resume: use auto, or "
@@ -87,7 +92,19 @@ def models(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:
     return [(key, path) for key, path in out if key == "actor.path" or path != cfg.actor.path]
 
 
-def dataset_problems(cfg: ExperimentConfig, key: str, path: str | None) -> list[str]:
+def isolation_problems(cfg: ExperimentConfig, tasks: set[str]) -> list[str]:
+    """Code answers are run in the sandbox: with reward.code_isolation required, this machine must isolate them."""
+    if "code" not in tasks or cfg.reward.fn is not None or cfg.reward.code_isolation != "required":
+        return []
+    try:
+        Sandbox(Limits(time_secs=cfg.reward.code_time_secs, memory_mb=cfg.reward.code_memory_mb))
+    except IsolationError as exc:
+        return [f"'reward.code_isolation': {exc}"]
+    return []
+
+
+def dataset_problems(cfg: ExperimentConfig, key: str, path: str | None, tasks: set[str]) -> list[str]:
+    """The problems of one dataset; the tasks of its records join `tasks`."""
     if not path:
         return [f"'{key}' is not set: give the JSONL file of prompts"]
     loader = cfg.dataset.loader
@@ -101,6 +118,7 @@ def dataset_problems(cfg: ExperimentConfig, key: str, path: str | None) -> list[
         if loader == "jsonl":
             raise
         return [f"'dataset.loader' {loader} failed reading {key}={path}: {type(exc).__name__}: {exc}"]
+    tasks.update(r.task for r in records)
     batch = cfg.dataset.train_bs_n_seqs
     if key == "dataset.path" and len(records) < batch:
         return [

@@ -8,10 +8,11 @@ jail     the inside of a sandbox (stdlib only; run by `unshare`)
 
 from areal_hpc.reward.code import CodeVerifier, extract_code, outputs_match
 from areal_hpc.reward.rewards import TaskRewards
-from areal_hpc.reward.sandbox import Limits, Protections, Result, Sandbox
+from areal_hpc.reward.sandbox import IsolationError, Limits, Protections, Result, Sandbox
 
 __all__ = [
     "CodeVerifier",
+    "IsolationError",
     "Limits",
     "Protections",
     "Result",

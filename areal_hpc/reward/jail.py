@@ -5,10 +5,12 @@
         python -I -S -B jail.py SPEC
 
 The root is a small tmpfs holding read-only binds of the system's program directories and the interpreter's
-prefix, the program's directory read-write at /sandbox, a tmpfs /tmp, /proc of the new PID namespace and four
-device nodes: nothing of the run directory, the home directories or the rest of the file system. Then the
-resource limits, and `setpriv` runs the program with no capabilities and no new privileges (as `uid` when
-started as root; else as the user-namespace root, which maps to the caller and has no capability either).
+prefix; the program's directory (/sandbox, holding main.py) and /tmp share one tmpfs of `disk_mb`, the bytes it
+may write; /proc of the new PID namespace and four device nodes: nothing of the run directory, the home
+directories or the rest of the file system. The program is one process: a seccomp filter refuses every new
+process (threads are allowed), so the limits of that process (address space, CPU time) are the whole
+program's. `setpriv` runs it with no capabilities and no new privileges (as `uid` when started as root; else as
+the user-namespace root, which maps to the caller and has no capability either).
 
 Standard library only, and few modules of it: it runs under the bare interpreter once per test case, and
 its start-up is most of a case's cost (SPEC is marshal's, as json would import `re`).
@@ -19,17 +21,20 @@ from __future__ import annotations
 import ctypes
 import marshal
 import os
+import platform
 import resource
+import struct
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
 DEVICES = ("null", "zero", "random", "urandom")
 LIMITS = {  # spec key -> resource
     "cpu_secs": resource.RLIMIT_CPU,
     "memory_bytes": resource.RLIMIT_AS,
     "file_bytes": resource.RLIMIT_FSIZE,
-    "processes": resource.RLIMIT_NPROC,
+    "threads": resource.RLIMIT_NPROC,  # the kernel counts threads; it does not apply it to root's (uid 0)
     "open_files": resource.RLIMIT_NOFILE,
 }
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -59,6 +64,24 @@ def place(root: str, path: str, is_dir: bool) -> str:
     return target
 
 
+def scratch(root: str, spec: dict) -> None:
+    """/sandbox (with main.py) and /tmp as two folders of one tmpfs: what the program writes, in all, is capped."""
+    stage = place(root, "/.scratch", True)
+    mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk_mb']}m,mode=755")
+    home, tmp = stage + "/home", stage + "/tmp"
+    os.mkdir(home, 0o700)
+    os.mkdir(tmp)
+    os.chmod(tmp, 0o1777)
+    with open(home + "/main.py", "w") as f:
+        f.write(spec["source"])
+    if spec.get("uid") is not None:
+        os.chown(home, spec["uid"], spec["uid"])
+    bind(home, place(root, "/sandbox", True), writable=True)
+    bind(tmp, place(root, "/tmp", True), writable=True)
+    _libc.umount2(stage.encode(), MNT_DETACH)  # the two binds keep the tmpfs; its staging point goes
+    os.rmdir(stage)
+
+
 def build_root(spec: dict) -> str:
     root = spec["root"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host
@@ -68,14 +91,67 @@ def build_root(spec: dict) -> str:
             os.symlink(os.readlink(path), root + path)
         elif os.path.exists(path):
             bind(path, place(root, path, os.path.isdir(path)))
-    bind(spec["workdir"], place(root, "/sandbox", True), writable=True)
-    mount(
-        "tmpfs", place(root, "/tmp", True), "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmp_mb']}m,mode=1777"
-    )
+    scratch(root, spec)
     mount("proc", place(root, "/proc", True), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for name in DEVICES:
         mount(f"/dev/{name}", place(root, f"/dev/{name}", False), None, MS_BIND)
     return root
+
+
+# --- one process a program -----------------------------------------------------------------------------------
+
+# seccomp's view of a system call (struct seccomp_data): nr at 0, arch at 4, the first argument at 16.
+_ARCHES = {  # machine -> (AUDIT_ARCH_*, system call numbers)
+    "x86_64": (0xC000003E, {"clone": 56, "fork": 57, "vfork": 58, "clone3": 435}),
+    "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435}),
+}
+_LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ..., BPF_RET|K
+_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
+_EPERM, _ENOSYS = 1, 38
+_CLONE_THREAD = 0x10000
+_X32_BIT = 0x40000000  # x86-64's x32 system calls: another numbering, refused
+
+
+def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("HBBI", code, jt, jf, k)
+
+
+def _filter(arch: int, nr: dict[str, int]) -> bytes:
+    """A seccomp program: clone only with CLONE_THREAD, no fork or vfork, clone3 'not implemented' (so that the
+    C library falls back to clone for its threads), and no system call of another architecture."""
+    ops = [_op(_LD, 4), _op(_JEQ, arch, jt=1), _op(_RET, _ERRNO | _EPERM), _op(_LD, 0)]
+    ops += [_op(_JGE, _X32_BIT, jf=1), _op(_RET, _ERRNO | _EPERM)]
+    ops += [_op(_JEQ, nr["clone3"], jf=1), _op(_RET, _ERRNO | _ENOSYS)]
+    for name in ("fork", "vfork"):
+        if name in nr:
+            ops += [_op(_JEQ, nr[name], jf=1), _op(_RET, _ERRNO | _EPERM)]
+    ops += [_op(_JEQ, nr["clone"], jt=1), _op(_RET, _ALLOW), _op(_LD, 16)]
+    ops += [_op(_JSET, _CLONE_THREAD, jt=1), _op(_RET, _ERRNO | _EPERM), _op(_RET, _ALLOW)]
+    return b"".join(ops)
+
+
+class _Program(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+def refuse_new_processes() -> bool:
+    """From now on this process and what it executes may start threads but no process; False where the kernel or
+    the architecture has no seccomp filter for it (the sandbox's probe then says the limits are per process)."""
+    if platform.machine() not in _ARCHES:
+        return False
+    code = _filter(*_ARCHES[platform.machine()])
+    program = _Program(len(code) // 8, code)
+    if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which an unprivileged filter needs
+        return False
+    return _libc.prctl(22, 2, ctypes.byref(program), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
+def set_limits(limits: dict) -> None:
+    for key, which in LIMITS.items():
+        value = limits.get(key)
+        if value is not None:  # CPU: SIGXCPU at the limit, SIGKILL a second later
+            resource.setrlimit(which, (value, value + 1 if key == "cpu_secs" else value))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def main(spec_path: str) -> None:
@@ -83,18 +159,15 @@ def main(spec_path: str) -> None:
         spec = marshal.load(f)
     os.chroot(build_root(spec))
     os.chdir("/sandbox")
-    for key, which in LIMITS.items():
-        value = spec["limits"].get(key)
-        if value is not None:  # CPU: SIGXCPU at the limit, SIGKILL a second later
-            resource.setrlimit(which, (value, value + 1 if key == "cpu_secs" else value))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     drop = ["--no-new-privs", "--bounding-set=-all", "--inh-caps=-all"]
     if spec.get("uid") is not None:
         drop += [f"--reuid={spec['uid']}", f"--regid={spec['uid']}", "--clear-groups"]
     # The program is not this namespace's init, which the kernel spares the signals of the limits (SIGXCPU,
-    # SIGXFSZ); once it ends, so does the init, and with it every process it left.
+    # SIGXFSZ); once it ends, so does the init, and with it every thread it left.
     pid = os.fork()
     if pid == 0:
+        set_limits(spec["limits"])
+        refuse_new_processes()
         os.execve("/usr/bin/setpriv", ["setpriv", *drop, *spec["argv"]], spec["env"])
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     os._exit(code if code >= 0 else 128 - code)

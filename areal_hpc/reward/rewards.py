@@ -65,8 +65,14 @@ class TaskRewards:
         with self._lock:
             if self._code is None:
                 cfg = self.cfg
-                sandbox = Sandbox(Limits(time_secs=cfg.code_time_secs, memory_mb=cfg.code_memory_mb))
-                logger.info("code rewards: %s", sandbox.protections.describe())
+                limits = Limits(time_secs=cfg.code_time_secs, memory_mb=cfg.code_memory_mb)
+                sandbox = Sandbox(limits, isolation=cfg.code_isolation)
+                isolated = sandbox.protections.isolated
+                logger.log(
+                    logging.INFO if isolated else logging.WARNING,
+                    "code rewards: %s",
+                    sandbox.protections.describe(),
+                )
                 self._code = CodeVerifier(sandbox, cfg.code_workers)
             return self._code
 

@@ -1,19 +1,21 @@
-"""Running model-written programs: each in a fresh empty directory, with a clean environment, under CPU, memory,
-file-size, process and open-file limits, and where the operating system allows it isolated from the host.
+"""Running model-written programs: each as one process under limits that are the whole program's, with a clean
+environment, and isolated from the host: refused where the node cannot isolate, unless asked for best effort.
 
     sandbox = Sandbox(Limits(time_secs=2.0))
     result = sandbox.run("print(int(input()) + 1)", stdin="41\\n")   # result.stdout == "42\\n"
 
 Isolation (`jail.py`, entered through util-linux's `unshare`): new mount, PID, network, IPC and UTS namespaces
-(as a user namespace when not root), a root of its own that shows the system's program directories read-only
-and nothing of the run directory or the home directories, no network but loopback, and no capabilities; as
-root the program also runs as a uid of its own per concurrent run (so it cannot read the run's secret, and
-the process limit counts its processes only). `Sandbox.protections` says which layers are active; where the
-namespaces cannot be made, programs still run with the limits, the fresh directory and the clean environment,
-and the log says that the network and the file system are visible to them.
+(through a user namespace when not root, or when root in a user namespace that maps too few uids, as under
+enroot or rootless podman), a root of its own that shows the system's program directories read-only and
+nothing of the run directory or the home directories, no network but loopback, no capabilities; as root the
+program also runs as a uid of its own per concurrent run (so it cannot read the run's secret).
 
-Output goes to files capped by the file-size limit (a program printing a gigabyte is stopped at the cap, and
-nothing is buffered in this process); the wall-clock limit kills the namespace's every process.
+Limits: the program is one process (a seccomp filter refuses new processes; threads are allowed), so its
+address space and CPU time are the whole program's; what it writes goes to one size-capped tmpfs (its
+directory and /tmp), its output to files capped by the file-size limit (nothing is buffered in this process);
+the wall-clock limit kills the namespace's every process. `Sandbox.protections` says which layers hold here.
+`isolation="required"` (reward.code_isolation's default) raises `IsolationError` where they do not all hold;
+"best_effort" runs programs with what holds, and the log says what they can see.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import contextlib
 import logging
 import marshal
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -33,26 +34,41 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_hpc.config import InputError
+from areal_hpc.reward import jail
+
 logger = logging.getLogger(__name__)
 
-JAIL = Path(__file__).with_name("jail.py")
+JAIL = Path(jail.__file__)
 SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin", "/etc/ld.so.cache", "/etc/alternatives")
-FIRST_UID = (
-    61000  # as root, concurrent runs get uids FIRST_UID, FIRST_UID + 1, ... (none of them a real user)
-)
+FIRST_UID, SLOTS = (
+    61000,
+    256,
+)  # as root, concurrent runs get uids FIRST_UID, FIRST_UID + 1, ... (no real user's)
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
+ISOLATION = ("required", "best_effort")
+# Forks once: "one process" when the seccomp filter refused it.
+PROBE = "import os\ntry:\n    pid = os.fork()\nexcept OSError:\n    print('one process')\nelse:\n    if pid == 0:\n"
+PROBE += "        os._exit(0)\n    print('forked')\n"
+SITE_NEEDS = (
+    "user namespaces for unprivileged users (sysctl user.max_user_namespaces > 0; "
+    "kernel.unprivileged_userns_clone=1 on Debian's kernels; on Ubuntu >= 23.10 "
+    "kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile that lets util-linux's unshare "
+    "make them; containers that allow nested namespaces), util-linux's unshare and setpriv, and seccomp filters "
+    "(docs/cluster.md)"
+)
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What one program may use."""
+    """What one program may use, in all."""
 
     time_secs: float = 2.0  # CPU seconds; the wall clock allows twice that, plus start-up
     memory_mb: int = 1024  # address space
+    disk_mb: int = 64  # bytes written to its directory and /tmp together (a tmpfs: memory besides memory_mb)
     file_mb: int = 16  # each file it writes, its output included
-    processes: int = 32
+    threads: int = 32  # where the kernel applies it: not to processes of uid 0
     open_files: int = 64
-    tmp_mb: int = 64  # its /tmp
 
 
 @dataclass
@@ -61,30 +77,37 @@ class Result:
     stdout: str
     stderr: str
     secs: float
-    limit: str | None = None  # "time", "memory", "output" when a limit stopped it
+    limit: str | None = None  # "time", "memory", "output", "disk" when a limit stopped it
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and self.limit is None
 
 
+class IsolationError(InputError):
+    """reward.code_isolation is required and this node cannot isolate programs; the message says what the site
+    must allow and how to opt out."""
+
+
 @dataclass
 class Protections:
-    """Which layers a sandbox has (probed once per process)."""
+    """Which layers a sandbox has (probed once per sandbox)."""
 
     namespaces: bool
     own_uid: bool
+    one_process: bool
     why_not: str = ""
     layers: list[str] = field(default_factory=list)
 
+    @property
+    def isolated(self) -> bool:
+        return self.namespaces and self.one_process
+
     def describe(self) -> str:
         active = ", ".join(self.layers)
-        if self.namespaces:
+        if self.isolated:
             return f"sandbox: {active}"
-        return (
-            f"sandbox: {active}; NOT isolated from the network, the file system (the run directory, home) or "
-            f"this user's processes: {self.why_not}"
-        )
+        return f"sandbox: {active}; NOT isolated: {self.why_not}"
 
 
 class Sandbox:
@@ -96,15 +119,27 @@ class Sandbox:
         python: str | None = None,
         workroot: str | None = None,
         user_namespace: bool | None = None,
+        isolation: str = "required",
     ):
-        """`user_namespace`: enter the namespaces through a user namespace (None: unless root, who needs none)."""
+        """`user_namespace`: enter the namespaces through a user namespace (None: unless root with uids of its own
+        to give). `isolation`: "required" raises IsolationError where programs cannot be isolated."""
+        if isolation not in ISOLATION:
+            raise ValueError(f"isolation must be one of {', '.join(ISOLATION)}, got {isolation!r}")
         self.limits = limits
         self.python = python or os.path.realpath(sys._base_executable)  # the interpreter, not a venv's
         self.workroot = workroot or tempfile.gettempdir()
-        self.user_namespace = os.geteuid() != 0 if user_namespace is None else user_namespace
-        self._slots = list(range(256))
+        self.user_namespace = not own_uids_available() if user_namespace is None else user_namespace
+        self._slots = list(range(SLOTS))
         self._lock = threading.Lock()
         self.protections = self._probe()
+        if isolation == "required" and not self.protections.isolated:
+            raise IsolationError(
+                f"reward.code_isolation is required, but this node cannot isolate model-written code: "
+                f"{self.protections.why_not}. The nodes that score code must allow {SITE_NEEDS}. Or set "
+                "reward.code_isolation=best_effort to run it anyway with the limits that hold here "
+                f"({', '.join(self.protections.layers)}): it can then read what this user can read and use "
+                "the network"
+            )
 
     def run(self, source: str, stdin: str = "") -> Result:
         """Run Python `source` with `stdin`; what it printed, how it ended, and which limit stopped it."""
@@ -120,32 +155,30 @@ class Sandbox:
     # --- one run ------------------------------------------------------------------------------------------
 
     def _run(self, work: Path, slot: int, source: str, stdin: str) -> Result:
-        box, root = work / "box", work / "root"
-        box.mkdir(mode=0o700)
-        root.mkdir()
-        (box / "main.py").write_text(source)
         (work / "stdin").write_text(stdin)
-        uid = FIRST_UID + slot if self.protections.own_uid else None
-        if uid is not None:
-            os.chown(box, uid, uid)
-            os.chown(box / "main.py", uid, uid)
         argv = [self.python, "-I", "-S", "-B", "main.py"]
-        spec = {
-            "root": str(root), "workdir": str(box), "uid": uid, "argv": argv, "env": ENV,
-            "system": [*SYSTEM, self._prefix()], "tmp_mb": self.limits.tmp_mb, "limits": self._rlimits(),
-        }  # fmt: skip
-        (work / "spec").write_bytes(marshal.dumps(spec))  # what jail.py reads: a node-local file of this run
         if self.protections.namespaces:
+            spec = {
+                "root": str(work / "root"), "uid": FIRST_UID + slot if self.protections.own_uid else None,
+                "argv": argv, "env": ENV, "system": [*SYSTEM, self._prefix()], "source": source,
+                "disk_mb": self.limits.disk_mb, "limits": self._rlimits(),
+            }  # fmt: skip
+            (work / "root").mkdir()
+            (work / "spec").write_bytes(
+                marshal.dumps(spec)
+            )  # what jail.py reads: a node-local file of this run
             cmd = [*self._unshare(), self.python, "-I", "-S", "-B", str(JAIL), str(work / "spec")]
-            cwd, preexec = None, None
-        else:
-            cmd, cwd, preexec = argv, box, self._apply_limits
+            cwd, env, preexec = None, {"PATH": ENV["PATH"]}, None
+        else:  # best effort: a folder of the host's temporary directory, whose total size nothing caps
+            box = work / "box"
+            box.mkdir(mode=0o700)
+            (box / "main.py").write_text(source)
+            cmd, cwd, env, preexec = argv, box, ENV, self._limit_fallback
         start = time.monotonic()
         with open(work / "stdin") as i, open(work / "stdout", "w") as o, open(work / "stderr", "w") as e:
             proc = subprocess.Popen(
-                cmd, stdin=i, stdout=o, stderr=e, cwd=cwd, env=ENV if preexec else {"PATH": ENV["PATH"]},
-                preexec_fn=preexec, start_new_session=True,
-            )  # fmt: skip
+                cmd, stdin=i, stdout=o, stderr=e, cwd=cwd, env=env, preexec_fn=preexec, start_new_session=True
+            )
             # A timer kills it at the wall-clock limit (wait(timeout=) polls: up to 50 ms more a run). It is
             # reaped only after its session is killed, so that no other process can have taken its pid.
             expired = threading.Event()
@@ -157,7 +190,7 @@ class Sandbox:
             finally:
                 timer.cancel()
                 timer.join()
-                _kill_group(proc)  # what is left of its session (the fallback's children)
+                _kill_group(proc)  # what is left of its session
                 code = proc.wait()
             code = None if expired.is_set() else code
         secs = time.monotonic() - start
@@ -171,20 +204,18 @@ class Sandbox:
             "cpu_secs": max(1, round(lim.time_secs + 0.5)),  # soft; the hard limit a second later (SIGKILL)
             "memory_bytes": lim.memory_mb * mb,
             "file_bytes": lim.file_mb * mb,
-            "processes": lim.processes,
+            "threads": lim.threads,
             "open_files": lim.open_files,
         }
 
-    def _apply_limits(self) -> None:  # the fallback's preexec_fn
-        keys = {"cpu_secs": resource.RLIMIT_CPU, "memory_bytes": resource.RLIMIT_AS,
-                "file_bytes": resource.RLIMIT_FSIZE, "open_files": resource.RLIMIT_NOFILE}  # fmt: skip
-        for key, value in self._rlimits().items():
-            if key in keys:  # not NPROC: without a namespace it would count this user's every process
-                resource.setrlimit(keys[key], (value, value))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    def _limit_fallback(self) -> None:  # preexec_fn without namespaces: no thread limit (it would count this
+        limits = self._rlimits()  # user's every process), and one process where seccomp allows
+        del limits["threads"]
+        jail.set_limits(limits)
+        jail.refuse_new_processes()
 
     def _unshare(self) -> list[str]:
-        cmd = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts"]
+        cmd = [self._unshare_path, "--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts"]
         return [*cmd, "--user", "--map-root-user"] if self.user_namespace else cmd
 
     def _prefix(self) -> str:
@@ -194,32 +225,82 @@ class Sandbox:
     def _take_slot(self) -> int:
         with self._lock:
             if not self._slots:
-                raise RuntimeError("more than 256 sandboxed programs at once")
+                raise RuntimeError(f"more than {SLOTS} sandboxed programs at once")
             return self._slots.pop(0)
 
     # --- what this machine allows ----------------------------------------------------------------------------
 
     def _probe(self) -> Protections:
-        """Try the namespaces once: where `unshare` is refused, programs run with the base layers only."""
-        base = ["fresh empty directory", "clean environment", "CPU, memory, file-size and open-file limits"]
-        if shutil.which("unshare") is None:
-            return Protections(False, False, why_not="util-linux's unshare is not installed", layers=base)
-        root = os.geteuid() == 0 and not self.user_namespace  # as root, each run gets a uid of its own
-        self.protections = Protections(namespaces=True, own_uid=root)
-        probe = self.run("print('ok')")
-        if probe.ok and probe.stdout == "ok\n":
+        """Try the namespaces and the seccomp filter once, with a program that forks."""
+        own_uid = not self.user_namespace
+        why = "util-linux's unshare is not installed"
+        self._unshare_path = shutil.which("unshare")  # looked up on this PATH, not the programs'
+        if self._unshare_path is not None:
+            self.protections = Protections(namespaces=True, own_uid=own_uid, one_process=True)
+            probe = self.run(PROBE)
+            if probe.returncode == 0 and probe.stdout in ("one process\n", "forked\n"):
+                return self._layers(Protections(True, own_uid, probe.stdout == "one process\n"))
+            why = (
+                "unshare failed: "
+                + (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+            )
+        self.protections = Protections(namespaces=False, own_uid=False, one_process=True)
+        fallback = self.run(PROBE)
+        return self._layers(Protections(False, False, fallback.stdout == "one process\n", why_not=why))
+
+    def _layers(self, p: Protections) -> Protections:
+        """`p` with its layers and, where it is not isolated, why not."""
+        lim = self.limits
+        p.layers = ["clean environment"]
+        if p.one_process:
+            p.layers.append(
+                f"one process (new processes refused), so its limits are the program's: {lim.memory_mb} MiB of "
+                f"memory, {lim.time_secs:g} s of CPU"
+            )
+        else:
             # The kernel exempts root's processes from the process limit: root in a user namespace has none.
-            nproc = root or os.geteuid() != 0
-            isolated = [*(["process limit"] if nproc else []), "own root file system (system directories "
-                        "read-only)", "no network", "own PID namespace", "no capabilities",
-                        *(["own uid"] if root else [])]  # fmt: skip
-            return Protections(True, root, layers=[*base, *isolated])
-        why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
-        return Protections(False, False, why_not=f"unshare failed ({why})", layers=base)
+            counted = p.own_uid or os.geteuid() != 0
+            cap = (
+                f"at most {lim.threads} processes" if counted else "no process limit (root's are not counted)"
+            )
+            p.layers.append(
+                f"memory and CPU limits per process ({lim.memory_mb} MiB, {lim.time_secs:g} s), {cap}"
+            )
+            p.why_not = p.why_not or "new processes are not refused (no seccomp filter here)"
+        if p.namespaces:
+            p.layers += [
+                f"{lim.disk_mb} MiB written in all (its directory and /tmp)", "own root file system (system "
+                "directories read-only)", "no network", "own PID namespace", "no capabilities",
+                *(["own uid"] if p.own_uid else []),
+            ]  # fmt: skip
+        else:
+            p.layers.append(f"a fresh directory, {lim.file_mb} MiB a file written (no cap on the total)")
+            p.why_not += (
+                "; the programs see the network, the file system (the run directory, home) and this user's "
+                "processes"
+            )
+        return p
+
+
+def own_uids_available() -> bool:
+    """Whether this process may give programs uids of their own: root, with those uids mapped (not so for root in
+    a user namespace that maps a few uids: enroot, rootless podman)."""
+    if os.geteuid() != 0:
+        return False
+    return all(_mapped(Path(f"/proc/self/{ids}_map"), FIRST_UID, SLOTS) for ids in ("uid", "gid"))
+
+
+def _mapped(map_file: Path, first: int, count: int) -> bool:
+    """Whether ids first .. first + count - 1 are all inside one range of a /proc uid_map or gid_map."""
+    for line in map_file.read_text().splitlines():
+        inside, _, length = map(int, line.split())
+        if inside <= first and first + count <= inside + length:
+            return True
+    return False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """The whole session: unshare (whose --kill-child ends the namespace) or the bare program and its children."""
+    """The whole session: unshare (whose --kill-child ends the namespace) or the bare program."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
 
@@ -235,6 +316,8 @@ def _limit_of(code: int | None, stderr: str) -> str | None:
         return "time"
     if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or "File too large" in stderr:
         return "output"
+    if "No space left on device" in stderr:
+        return "disk"
     if "MemoryError" in stderr:
         return "memory"
     return None
