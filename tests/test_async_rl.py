@@ -29,7 +29,7 @@ def run_toy(tmp_path, model_dir, data, trial: str, *extra: str):
         f"cluster.fileroot={tmp_path}", f"trial_name={trial}", f"actor.path={model_dir}",
         f"dataset.path={data / 'train.jsonl'}", f"dataset.valid_path={data / 'test.jsonl'}",
         "cluster.n_nodes=1", "cluster.n_gpus_per_node=2", "dataset.train_bs_n_seqs=8", "group_size=4",
-        "ppo.gen.max_new_tokens=8", "n_rollout_workers=1", *extra,
+        "ppo.gen.max_new_tokens=8", *extra,
     ]  # fmt: skip
     cfg = load_config([ROOT / "configs/toy-cpu.yaml"], overrides)
     assert run_local(cfg) == 0
@@ -50,9 +50,8 @@ def test_eta_0_first_update_equals_the_synchronous_update(tmp_path, tiny_model_d
     ]
     one_update += ["ppo.adv_norm=false", "ppo.group_adv_norm=false"]
     sync = run_toy(tmp_path, tiny_model_dir, easy_data, "sync", *one_update)
-    eta0 = run_toy(
-        tmp_path, tiny_model_dir, easy_data, "eta0", *one_update, "async_rl=true", "max_head_offpolicyness=0"
-    )
+    eta0_async = ("async_rl=true", "max_head_offpolicyness=0", "n_rollout_workers=1")
+    eta0 = run_toy(tmp_path, tiny_model_dir, easy_data, "eta0", *one_update, *eta0_async)
     before = load_file(tiny_model_dir / "model.safetensors")
     after_sync, after_async = final_weights(sync), final_weights(eta0)
     assert any(not torch.equal(before[k], after_sync[k]) for k in before)  # the update did something
@@ -65,7 +64,7 @@ def test_eta_0_first_update_equals_the_synchronous_update(tmp_path, tiny_model_d
 def test_generation_runs_ahead_of_training(tmp_path, tiny_model_dir, easy_data, capsys):
     run = run_toy(
         tmp_path, tiny_model_dir, easy_data, "eta2", "async_rl=true", "max_head_offpolicyness=2",
-        "exp_ctrl.benchmark_steps=6", "logging.progress=false",
+        "n_rollout_workers=1", "exp_ctrl.benchmark_steps=6", "logging.progress=false",
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "completed" in out and " step 6/6 " not in out  # no progress line

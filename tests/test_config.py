@@ -244,6 +244,69 @@ def test_options_of_the_original_this_version_lacks_are_refused_saying_why(overr
         load_config(overrides=[override])
 
 
+# One option of each rule of config/inert.py, set where it does nothing (the defaults decide the mode).
+DOES_NOTHING = [
+    ("max_head_offpolicyness=2", "the rollout role of asynchronous RL"),
+    (
+        "experiment_type=sft",
+        "async_rl=true",
+        "a supervised warm-up (experiment_type: sft) generates no rollouts",
+    ),
+    ("experiment_type=sft", "ppo.eps_clip=0.3", "it applies to RL (experiment_type: ppo)"),
+    ("critic.optimizer.lr=1e-6", "there is no critic"),
+    ("ppo.kl_ctl=0", "ref.dtype=float32", "there is no reference model"),
+    ("exp_ctrl.eval_freq_steps=5", "the held-out evaluation it schedules needs dataset.valid_path"),
+    ("exp_ctrl.ckpt_freq_steps=5", "recover_mode is disabled"),
+    ("weight_update_mode=disk", "weight_update_bucket_mb=64", "it applies to weight_update_mode broadcast"),
+    ("logging.wandb_mode=online", "logging.wandb is false"),
+    ("sglang.context_length=4096", "it applies to SGLang servers only"),
+    ("reward.fn_workers=4", "it applies to reward.fn, which is not set"),
+    ("reward.fn=mod:score", "reward.code_isolation=best_effort", "reward.fn scores every answer"),
+]
+
+
+@pytest.mark.parametrize("case", DOES_NOTHING, ids=lambda case: case[-2].split("=")[0])
+def test_an_option_that_does_nothing_in_the_mode_is_refused_where_it_was_set(case):
+    *overrides, why = case
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides)
+    key = overrides[-1].split("=")[0]
+    assert f"override '{overrides[-1]}': '{key}' does nothing here: " in str(err.value) and why in str(
+        err.value
+    )
+
+
+def test_a_file_line_that_does_nothing_is_named(tmp_path):
+    path = write(tmp_path, "logging:\n  wandb: false\n  wandb_mode: online\n")
+    with pytest.raises(
+        ConfigError, match=f"{re.escape(str(path))}:3: 'logging.wandb_mode' does nothing here"
+    ):
+        load_config([path])
+
+
+def test_options_of_a_base_file_that_a_later_layer_makes_idle_are_dropped_with_a_warning(caplog):
+    """toy-sft.yaml turns toy-cpu.yaml's RL run into a supervised one: its RL options are a base's, not errors."""
+    cfg = load_config(
+        [ROOT / "configs/toy-cpu.yaml", ROOT / "configs/toy-sft.yaml"], ["recover_mode=disabled"]
+    )
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(f"{ROOT / 'configs/toy-cpu.yaml'} sets ") and "group_size" in m for m in warnings)
+    assert any("exp_ctrl.ckpt_freq_steps" in m and "recover_mode is disabled" in m for m in warnings)
+    defaults = ExperimentConfig()
+    assert (cfg.group_size, cfg.ppo.kl_ctl) == (
+        defaults.group_size,
+        defaults.ppo.kl_ctl,
+    )  # config.yaml says so
+    assert cfg.exp_ctrl.ckpt_freq_steps is None and cfg.exp_ctrl.ckpt_freq_secs is None
+
+
+def test_our_own_default_that_does_nothing_is_dropped_silently(caplog):
+    cfg = load_config()  # recover_mode: disabled
+
+    assert cfg.exp_ctrl.ckpt_freq_secs is None and not caplog.records
+    assert load_config(overrides=["recover_mode=auto"]).exp_ctrl.ckpt_freq_secs == 600
+
+
 def test_the_reference_model_takes_no_training_options():
     with pytest.raises(ConfigError, match="unknown key 'ref.optimizer'"):
         load_config(overrides=["ref.optimizer.lr=1e-3"])

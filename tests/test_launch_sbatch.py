@@ -182,7 +182,6 @@ def test_the_two_jobs_of_a_run_never_requeue_or_begin_an_attempt_themselves():
         (("toy-cpu.yaml",), ()),
         (("toy-cpu.yaml",), ("async_rl=true",)),
         (("toy-cpu.yaml", "toy-sft.yaml"), ()),
-        (("toy-cpu.yaml", "toy-sft.yaml"), ("async_rl=true",)),  # supervised: no rollout role either way
         (("qwen3-1.7b-8gpu.yaml",), ()),
         (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
     ],

@@ -61,7 +61,7 @@ def test_each_server_command_matches_the_golden_file(name):
 
 def test_sglang_options_apply_to_sglang_servers_only():
     with pytest.raises(
-        ConfigError, match="'sglang.mem_fraction_static' is set, but the generation backend is 'builtin'"
+        ConfigError, match="'sglang.mem_fraction_static' does nothing here: it applies to SGLang"
     ):
         load_config([REPO / "configs/toy-cpu.yaml"], ["sglang.mem_fraction_static=0.5"])
 

@@ -148,14 +148,6 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
     if out:
         return out
     tensor = (mode.gen or dict(mode.train).get("actor_gen") or dict(mode.train)[alloc.DEFAULT_KEY]).tensor
-    if backend != "sglang":  # no option is taken that the code ignores
-        defaults = dataclasses.asdict(type(cfg.sglang)())
-        out += [
-            f"'sglang.{key}' is set, but the generation backend is {backend!r}: it applies to "
-            "SGLang servers only"
-            for key, value in dataclasses.asdict(cfg.sglang).items()
-            if value != defaults[key]
-        ]
     if tensor > 1 and not gen.tensor_parallel:
         out.append(
             f"'allocation_mode': generation backend {backend!r} has no tensor parallelism: its servers' "
@@ -279,9 +271,9 @@ def _hf_config(path: str | None) -> dict | None:
     return json.loads(config_file.read_text()) if config_file.is_file() else None
 
 
-def validate(cfg: ExperimentConfig) -> None:
-    """Raise ConfigError listing every problem of the config, or return quietly."""
-    problems = [p for key, f, value in walk(cfg) for p in field_problems(key, f, value)]
+def validate(cfg: ExperimentConfig, problems: list[str] | tuple = ()) -> None:
+    """Raise ConfigError listing every problem of the config (`problems` found before, too), or return quietly."""
+    problems = [*problems, *(p for key, f, value in walk(cfg) for p in field_problems(key, f, value))]
     problems += cross_field_problems(cfg)
     if not problems:
         problems += allocation_problems(cfg)

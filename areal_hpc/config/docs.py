@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from areal_hpc.config import inert
 from areal_hpc.config.loader import field_types, type_name
 from areal_hpc.config.schema import ExperimentConfig
 
@@ -55,9 +56,20 @@ def _rows(cls: type, prefix: str, sections: list[tuple[str, str, type]]) -> list
     return rows
 
 
+def _inert_section() -> str:
+    """The options that do nothing in some modes, and what happens when they are set there (config/inert.py)."""
+    doc = (inert.__doc__ or "").split("\n", 1)[1].strip()
+    rows = [
+        f"| {', '.join(f'`{o}*`' if o.endswith('.') else f'`{o}`' for o in rule.options)} | {rule.why} |"
+        for rule in inert.RULES
+    ]
+    return "\n".join(["## Options that do nothing in some modes\n", doc, "", "| options | do nothing when |",
+                      "|---|---|", *rows, ""])  # fmt: skip
+
+
 def render_markdown() -> str:
     """The whole reference as Markdown, one table per section, in schema order."""
-    out = [_HEADER]
+    out = [_HEADER, _inert_section()]
     sections: list[tuple[str, str, type]] = [("", "Top-level options.", ExperimentConfig)]
     while sections:
         key, help_text, cls = sections.pop(0)

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from areal_hpc.alloc import MFC_NAMES
+from areal_hpc.config import inert
 from areal_hpc.config.checks import validate
 from areal_hpc.config.schema import ConfigError, ExperimentConfig
 
@@ -278,15 +279,26 @@ def _first_source(node: Any) -> str:
 
 
 def load_config(paths: list[str | Path] | tuple = (), overrides: list[str] | tuple = ()) -> ExperimentConfig:
-    """The config of the YAML files (merged in order) and overrides, type-checked and validated."""
+    """The config of the YAML files (merged in order) and overrides, type-checked and validated; options that
+    do nothing in its mode are refused or dropped (config/inert.py)."""
+    layers = [read_yaml(path) for path in paths] + [override_tree(text) for text in overrides]
     tree: dict[str, Any] = {}
-    for path in paths:
-        tree = merge(tree, read_yaml(path))
-    for text in overrides:
-        tree = merge(tree, override_tree(text))
+    set_at: dict[str, tuple[int, str]] = {}  # key -> (layer, source) of the last layer that set it
+    for i, layer in enumerate(layers):
+        tree = merge(tree, layer)
+        set_at |= {key: (i, raw.source) for key, raw in _leaves(layer)}
     cfg = build(ExperimentConfig, tree)
-    validate(cfg)
+    cfg, problems = inert.settle(cfg, set_at)
+    validate(cfg, problems)
     return cfg
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Raw]]:
+    """(dotted key, raw value) of every value of a raw tree."""
+    out = []
+    for key, node in tree.items():
+        out += _leaves(node, f"{prefix}{key}.") if isinstance(node, dict) else [(prefix + key, node)]
+    return out
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

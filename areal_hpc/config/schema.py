@@ -200,7 +200,11 @@ class ExpCtrlConfig:
     save_freq_secs: int | None = opt(None, "Save HF weights every N seconds; null: never.", ge=1)
     ckpt_freq_epochs: int | None = opt(None, "Write a recover checkpoint every N epochs; null: never.", ge=1)
     ckpt_freq_steps: int | None = opt(None, "Write a recover checkpoint every N steps; null: never.", ge=1)
-    ckpt_freq_secs: int | None = opt(600, "Write a recover checkpoint every N seconds; null: never.", ge=1)
+    ckpt_freq_secs: int | None = opt(
+        600,
+        "Write a recover checkpoint every N seconds (unless recover_mode is disabled); null: never.",
+        ge=1,
+    )
     eval_freq_epochs: int | None = opt(None, "Evaluate every N epochs; null: never.", ge=1)
     eval_freq_steps: int | None = opt(None, "Evaluate every N steps; null: never.", ge=1)
     eval_freq_secs: int | None = opt(None, "Evaluate every N seconds; null: never.", ge=1)
