@@ -2,16 +2,20 @@
 dependencies cannot be installed here, so nothing of it is imported; `make test` unpacks it into
 .cache/sglang-src). Every flag the launcher emits is one of ServerArgs' arguments; every body the client sends
 to a route has only fields of the request class that route takes (FastAPI drops unknown ones silently) and all
-its required ones; every sampling parameter is one SGLang's SamplingParams takes."""
+its required ones; every sampling parameter is one SGLang's SamplingParams takes. What we read from its
+answers: tests/test_sglang_answers.py."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,8 +31,13 @@ GOLDEN_COMMANDS = sorted((REPO / "tests" / "golden").glob("*.servers.txt"))
 OURS = {"/init_weights_update_group": {"timeout_secs"}}
 
 
-def tree(relative: str) -> ast.Module:
-    return ast.parse((SRC / relative).read_text())
+def tree(relative: str, root: Path = SRC) -> ast.Module:
+    return parse((root / relative).read_text())
+
+
+@functools.cache  # several checks read the same files, and an altered copy of them is mostly the same text
+def parse(text: str) -> ast.Module:
+    return ast.parse(text)
 
 
 def cli_flags() -> set[str]:
@@ -93,6 +102,56 @@ def test_every_flag_the_launcher_emits_is_one_of_sglang_server_args():
     assert ours and ours <= cli_flags(), sorted(ours - cli_flags())
 
 
+# SGLang's answers, as the fake server gives them; /generate's as with --skip-tokenizer-init (no text) and
+# return_logprob.
+GENERATE = {
+    "output_ids": [5, 2],
+    "meta_info": {
+        "id": "r1",
+        "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "cached_tokens": 0,
+        "weight_version": "0",
+        "e2e_latency": 0.1,
+        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]],
+    },
+}
+DONE = {"success": True, "message": ""}
+PAUSED = {"message": "", "status": "ok"}
+REPLIES = {  # a route not here answers 200 with an empty body, as SGLang's /abort_request does
+    "/generate": GENERATE,
+    "/update_weights_from_disk": {**DONE, "num_paused_requests": 0},
+    "/init_weights_update_group": DONE,
+    "/update_weights_from_distributed": DONE,
+    "/destroy_weights_update_group": DONE,
+    "/pause_generation": PAUSED,
+    "/continue_generation": PAUSED,
+}
+
+
+def client_calls(params: dict) -> dict[str, Callable[[GenClient], Any]]:
+    """Every call the client makes, by route."""
+    return {
+        "/generate": lambda c: c.generate([1, 2, 3], {**params, "sampling_seed": 7}, rid="r1"),
+        "/abort_request": lambda c: c.abort_request("r1"),
+        "/pause_generation": lambda c: c.pause_generation("in_place"),
+        "/continue_generation": lambda c: c.continue_generation(),
+        "/update_weights_from_disk": lambda c: c.update_weights_from_disk(
+            "/shared/weights/v3", weight_version=3, abort_all_requests=False
+        ),
+        "/init_weights_update_group": lambda c: c.init_weights_update_group(
+            "10.0.0.1", 29500, 1, 3, "g", "nccl", group_timeout=60
+        ),
+        "/update_weights_from_distributed": lambda c: c.update_weights_from_distributed(
+            ["w"], ["bfloat16"], [[2, 2]], "g", weight_version=3, load_format="flattened_bucket"
+        ),
+        "/destroy_weights_update_group": lambda c: c.destroy_weights_update_group("g"),
+        "/release_memory_occupation": lambda c: c.release_memory_occupation(),
+        "/resume_memory_occupation": lambda c: c.resume_memory_occupation(["weights"]),
+    }
+
+
 def sent_bodies() -> dict[str, dict]:
     """The body of every call the client makes, as a server receives it."""
     bodies: dict[str, dict] = {}
@@ -101,9 +160,8 @@ def sent_bodies() -> dict[str, dict]:
         def do_POST(self):
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             bodies[self.path] = json.loads(raw) if raw else {}
-            meta = {"finish_reason": {"type": "stop", "matched": 0}, "weight_version": "0"}
-            reply = {"success": True, "message": "", "output_ids": [0], "meta_info": meta}
-            data = json.dumps(reply).encode()
+            reply = REPLIES.get(self.path)
+            data = json.dumps(reply).encode() if reply is not None else b""
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -119,18 +177,8 @@ def sent_bodies() -> dict[str, dict]:
     try:
         c = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "key")
         params = sampling_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"]))
-        c.generate([1, 2, 3], {**params, "sampling_seed": 7}, rid="r1")
-        c.abort_request("r1")
-        c.pause_generation("in_place")
-        c.continue_generation()
-        c.update_weights_from_disk("/shared/weights/v3", weight_version=3, abort_all_requests=False)
-        c.init_weights_update_group("10.0.0.1", 29500, 1, 3, "g", "nccl", group_timeout=60)
-        c.update_weights_from_distributed(
-            ["w"], ["bfloat16"], [[2, 2]], "g", weight_version=3, load_format="flattened_bucket"
-        )
-        c.destroy_weights_update_group("g")
-        c.release_memory_occupation()
-        c.resume_memory_occupation(["weights"])
+        for call in client_calls(params).values():
+            call(c)
     finally:
         httpd.shutdown()
     return bodies
