@@ -1,10 +1,15 @@
-"""The math reward's rule: the last box of a response against the reference's answer, by Math-Verify."""
+"""The math reward's rule: the last box of a response against the reference's answer, by Math-Verify, and
+where it says no by the original's numeric rules (relative 1e-4, percentages, sympy's values)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+from math_verify import parse
+from sympy import Expr
 
+from areal_hpc.algo.math_numbers import numbers_agree
 from areal_hpc.algo.math_parse import (
     AnswerInputError,
     is_correct,
@@ -85,6 +90,110 @@ def test_equal_answers(pred, ref):
 @pytest.mark.parametrize(("pred", "ref"), UNEQUAL)
 def test_unequal_answers(pred, ref):
     assert not math_equal(pred, ref)
+
+
+# The original's numeric rules, asked where Math-Verify says no (algo/math_numbers.py): (answer, reference).
+NUMERICALLY_EQUAL = [
+    ("0.3333", r"\frac{1}{3}"),  # a decimal within a relative 1e-4 (exactly 1e-4 here)
+    ("3.1416", r"\pi"),  # sympy's value of an expression
+    ("1.4142", r"\sqrt{2}"),
+    ("-0.5236", r"-\frac{\pi}{6}"),
+    ("5.0004", "5"),
+    ("50", "0.5"),  # a percentage and its fraction, with its sign or without
+    (r"50\%", "0.5"),
+    ("50%", "0.5"),
+    (r"50 \%", "50"),  # the sign dropped, as the original drops it
+    (r"12.5\%", r"\frac{1}{8}"),
+    (r"33.33\%", r"\frac{1}{3}"),
+    ("(3, 1.5708)", r"\left( 3, \frac{\pi}{2} \right)"),  # a tuple, element by element
+    ("(0.3333, 0.5)", r"(\frac{1}{3}, \frac{1}{2})"),  # an open interval
+    (r"\{0.5, 0.3333\}", r"\{\frac{1}{3}, \frac{1}{2}\}"),  # a set
+    (r"\begin{pmatrix} 0.3333 \\ 2 \end{pmatrix}", r"\begin{pmatrix} \frac{1}{3} \\ 2 \end{pmatrix}"),
+    ("x = 0.3333", r"x = \frac{1}{3}"),  # an assignment
+    ("x = 0.3333", r"\frac{1}{3}"),  # an answer labelled
+]
+NUMERICALLY_UNEQUAL = [
+    ("0.33", r"\frac{1}{3}"),  # 1% off
+    ("0.33329", r"\frac{1}{3}"),  # 1.3e-4 off
+    ("3.14", r"\pi"),
+    ("3.1412", r"\pi"),  # 1.2e-4 off
+    ("100001", "100000"),  # two integers are equal or not (the original takes these: within 1e-4)
+    ("2^{20}", "1048577"),
+    (
+        "1",
+        "100",
+    ),  # without a percent sign, two integers are not a percentage and its fraction (the original: 1)
+    ("5000", r"50\%"),
+    ("150", r"\frac{3}{2}"),  # without its sign, a percentage only of a plain decimal, as the original
+    ("1,2", "12"),  # a pair, not twelve
+    (
+        "(0.3333, 0.5]",
+        r"(\frac{1}{3}, \frac{1}{2})",
+    ),  # an interval closed at an end that the other leaves open
+    ("(0.5, 0.3333)", r"(\frac{1}{3}, \frac{1}{2})"),  # a tuple against an interval
+    ("0.5", "(0, 1)"),  # a number against an interval
+    (r"\{0.3333\}", r"\{\frac{1}{3}, \frac{1}{2}\}"),
+    (r"\begin{pmatrix} 0.3333 & 2 \end{pmatrix}", r"\begin{pmatrix} \frac{1}{3} \\ 2 \end{pmatrix}"),
+    ("y = 0.3333", r"x = \frac{1}{3}"),
+    ("1:00", "12:00"),  # both parse as 1/0
+]
+
+
+@pytest.mark.parametrize(("pred", "ref"), NUMERICALLY_EQUAL)
+def test_numbers_within_1e_4_and_percentages_are_equal_either_way(pred, ref):
+    assert math_equal(pred, ref) and math_equal(ref, pred)
+
+
+@pytest.mark.parametrize(("pred", "ref"), NUMERICALLY_UNEQUAL)
+def test_near_misses_of_the_numeric_rules_stay_unequal_either_way(pred, ref):
+    assert not math_equal(pred, ref) and not math_equal(ref, pred)
+
+
+@pytest.mark.parametrize(
+    ("pred", "ref", "agree"),
+    [
+        ("3.14159", "3.1416", True),
+        ("45", "0.45", True),
+        (r"45\%", "0.45", True),
+        ("1,000", "1000", True),
+        ("1", "100", False),
+        ("3.2", "3.1416", False),
+        ("1,2", "12", False),
+        (r"\frac{1}{2}", "0.5", False),  # not a plain number: the math verifier's to judge
+    ],
+)
+def test_the_stem_reward_reads_plain_numbers_by_the_same_rule(pred, ref, agree):
+    assert numbers_agree(pred, ref) is agree and numbers_agree(ref, pred) is agree
+
+
+def test_a_number_too_long_to_be_an_answer_is_not_read():
+    assert not numbers_agree("9" * 5000, "9" * 5000)  # int() would refuse it, outside the worker processes
+
+
+def test_evaluation_answers_rounded_to_4_decimals_match_where_within_1e_4():
+    """Each number among the answers of the evaluation sets that is not an integer, written to 4 decimals,
+    matches where that is within a relative 1e-4 of it (the original's rule), and not to 2 decimals."""
+    checked = 0
+    for answers in json.loads(EVAL_ANSWERS.read_text()).values():
+        for answer in map(str, answers):
+            value = _value(answer)
+            if value is None or value.is_integer():
+                continue
+            for places in (4, 2):
+                rounded = f"{value:.{places}f}"
+                within = math.isclose(float(rounded), value, rel_tol=1e-4)
+                assert is_correct(f"\\boxed{{{rounded}}}", answer) is within, (answer, rounded)
+            checked += 1
+    assert checked > 50
+
+
+def _value(answer: str) -> float | None:
+    """An answer's value where it is a real number (sympy evaluates \\frac{3}{56}, 3\\sqrt{13}, \\pi)."""
+    parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+    if not parsed or not isinstance(parsed[0], Expr) or not parsed[0].is_number:
+        return None
+    value = parsed[0].evalf()
+    return float(value) if value.is_real else None
 
 
 def test_a_partial_answer_to_a_reference_of_several_boxes_is_wrong():

@@ -46,6 +46,14 @@ def test_verify_scores_a_response(verifier):
     assert verifier.verify("Thinking... so x = 0.75.", [solution]) == 0.0  # no stated answer, no reward
 
 
+def test_the_original_numeric_rules_score_in_the_pool(verifier):
+    solution = r"The chance is $\boxed{\frac{1}{3}}$."
+    assert verifier.verify_batch(
+        [(boxed(answer), [solution]) for answer in ("0.3333", r"33.33\%", "0.33", "33")]
+    ) == [1.0, 1.0, 0.0, 0.0]
+    assert verifier.verify(boxed(r"50\%"), [boxed(0.5)]) == verifier.verify(boxed(50), [boxed(0.5)]) == 1.0
+
+
 def test_matching_any_solution_scores_one(verifier):
     assert verifier.verify(r"\boxed{(1,2)}", [r"\boxed{(2,1)}", r"\boxed{(1, 2)}"]) == 1.0
 

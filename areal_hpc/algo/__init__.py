@@ -4,6 +4,7 @@ ppo         the (decoupled) clipped objective, the value loss, masked statistics
 advantages  per-token rewards, GAE over packed sequences, advantage normalisation
 packing     packed-sequence bookkeeping, balanced partitions, first-fit-decreasing micro-batches
 math_parse  the math reward's rule: the last box of a response against the reference, by Math-Verify
+math_numbers the original's numeric rules where Math-Verify says no: relative 1e-4, percentages
 math_verify MathVerifier: the math reward in a pool of worker processes, each check under a timeout
 timed_pool  TimedPool: calls of one function in worker processes, each killed and replaced when it overruns
 """
@@ -14,7 +15,7 @@ import importlib
 # must not pay for torch (the losses' and advantages' modules) at every start.
 _HOME = {
     "compute_advantages": "advantages", "response_mask": "advantages",
-    "reference_answer": "math_parse", "response_answer": "math_parse",
+    "reference_answer": "math_parse", "response_answer": "math_parse", "numbers_agree": "math_numbers",
     "MathVerifier": "math_verify", "VerifierError": "math_verify",
     "Outcome": "timed_pool", "PoolError": "timed_pool", "TimedPool": "timed_pool",
     "AlgoInputError": "packing", "align_next_token": "packing", "balanced_partition": "packing",
@@ -42,6 +43,7 @@ __all__ = [
     "compute_advantages",
     "critic_loss",
     "ffd_pack",
+    "numbers_agree",
     "reference_answer",
     "response_answer",
     "response_mask",

@@ -10,6 +10,9 @@ with).
   ``answer`` fields of the evaluation sets: ``\\frac{1}{2}``, ``$x=3$``, 204).
 - Each answer is parsed in a box by ``math_verify.parse``, and ``math_verify.verify`` compares them (numbers
   to 6 decimals, fractions, sets and intervals, equations and relations, matrices, units and text dropped).
+- Where Math-Verify says no, the original's numeric rules have their say (``algo.math_numbers``): numbers
+  within a relative 1e-4 (0.3333 for 1/3, 3.1416 for \\pi), a percentage for its fraction (50\\% or 50 for
+  0.5), element by element in tuples, intervals, matrices and sets.
 
 Everything here is pure and single-threaded. sympy can run for ever on a pathological answer, so untrusted
 text goes through ``algo.math_verify.MathVerifier``, which runs ``is_correct`` in worker processes and kills
@@ -23,6 +26,8 @@ import re
 from fractions import Fraction
 
 from math_verify import LatexExtractionConfig, parse, verify
+
+from areal_hpc.algo.math_numbers import answers_agree, first_sympy
 
 # It warns at every call that its own timeouts are off, which they are on purpose (the pool's are on).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -125,10 +130,14 @@ def _parsed(answer: str) -> list:
 
 
 def math_equal(pred: str, ref: str) -> bool:
-    """Whether two final answers (LaTeX, no box around them) are the same by Math-Verify."""
+    """Whether two final answers (LaTeX, no box around them) are the same: by Math-Verify, else by the
+    original's numeric rules (``algo.math_numbers``), on top of it: what Math-Verify accepts stays accepted."""
     if not pred.strip() or not ref.strip() or max(len(pred), len(ref)) > MAX_ANSWER_CHARS:
         return False
-    return verify(_parsed(ref), _parsed(pred), timeout_seconds=None)
+    gold, answer = _parsed(ref), _parsed(pred)
+    if verify(gold, answer, timeout_seconds=None):
+        return True
+    return answers_agree(pred, ref, first_sympy(answer), first_sympy(gold))
 
 
 def is_correct(response: str, solution: str) -> bool:
