@@ -13,7 +13,8 @@ from areal_hpc.config import ConfigError, dump_yaml, load_config, render_markdow
 # Errors that end a launch verb with a message, not a traceback: a plan or allocation that cannot work
 # (ValueError, exit code 2), Slurm or a run directory that refuse (exit code 1).
 LAUNCH_ERRORS = (ValueError, LookupError, FileExistsError, RuntimeError, TimeoutError)
-DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository root, when running from a checkout
+DOCS_PATH = CHECKOUT / "docs" / "config.md"
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -28,9 +29,19 @@ def cmd_config_show(ns: argparse.Namespace) -> int:
     return 0
 
 
+def default_docs_path() -> Path:
+    """docs/config.md of the checkout the package runs from, else (an installed package) config.md here."""
+    in_checkout = (CHECKOUT / "pyproject.toml").is_file() and DOCS_PATH.parent.is_dir()
+    return DOCS_PATH if in_checkout else Path("config.md")
+
+
 def cmd_config_docs(ns: argparse.Namespace) -> int:
     text = render_markdown()
-    out = Path(ns.out)
+    out = Path(ns.out) if ns.out else default_docs_path()
+    if out != DOCS_PATH and not ns.out:
+        print(
+            f"an installed package, not a checkout: using {out} in the current folder (--out names another)"
+        )
     if ns.check:
         if not out.is_file() or out.read_text() != text:
             print(f"{out} is stale: run `areal-hpc config docs` to regenerate it", file=sys.stderr)
@@ -251,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="YAML files, then overrides")
     show.set_defaults(func=cmd_config_show)
     docs = config_verbs.add_parser("docs", help="write the option reference (docs/config.md)")
-    docs.add_argument("--out", default=str(DOCS_PATH), help="where to write it")
+    docs.add_argument(
+        "--out", help="where to write it (default: docs/config.md of a checkout, else config.md here)"
+    )
     docs.add_argument("--check", action="store_true", help="only check that the file is up to date")
     docs.set_defaults(func=cmd_config_docs)
     options = config_verbs.add_parser("options", help="list every option with its default and meaning")

@@ -1,4 +1,8 @@
-"""sbatch script text of a launch plan, from the Jinja2 template in slurm_templates/. Pure: no file is written."""
+"""sbatch script text of a launch plan, from the Jinja2 template in slurm_templates/. Pure: no file is written.
+
+The template is package data (areal_hpc/launch/slurm_templates/), so that an installed wheel renders it too; the
+checkout's top-level slurm_templates/ links to it.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,6 @@ from areal_hpc.control import EXIT_PERMANENT
 from areal_hpc.launch.plan import Job, LaunchPlan, Step
 from areal_hpc.recover import EXIT_PREEMPTED
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
-
 
 def srun_options(step: Step) -> str:
     """The resources of one step; `--kill-on-bad-exit` ends the step when any of its tasks fails."""
@@ -34,7 +36,7 @@ def srun_options(step: Step) -> str:
 @functools.cache
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
+        loader=jinja2.PackageLoader("areal_hpc.launch", "slurm_templates"),  # package data, also in a wheel
         undefined=jinja2.StrictUndefined,  # a typo in the template fails loudly, not as an empty string
         keep_trailing_newline=True,
     )
@@ -82,6 +84,9 @@ def code_version() -> str:
     """The package version, plus the git commit when running from a checkout (`+dirty` with local changes)."""
     version = metadata.version("areal_hpc")
     root = Path(__file__).resolve().parents[2]
+    # An installed package has no .git beside it; a repository around its venv is not its source.
+    if not (root / ".git").exists():
+        return version
     try:
         commit = subprocess.run(
             ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty", "--abbrev=12"],
