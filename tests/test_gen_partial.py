@@ -13,7 +13,7 @@ from areal_hpc.control.manifest import write_manifest
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient
-from areal_hpc.gen.partial import continuation_params, from_response, generate_group, version_of
+from areal_hpc.gen.partial import Part, continuation_params, from_response, generate_group, version_of
 
 TOKEN = "partial-test-token"
 PROMPT = [5, 9, 2, 7]
@@ -71,13 +71,15 @@ def test_a_group_spanning_three_weight_versions_has_aligned_tokens_and_logprobs(
     assert len(answers) == 3
     for answer in answers:
         assert (answer.version_start, answer.version_end) == (0, 2) and answer.n_parts >= 2
-        assert [v for _, v in answer.parts] == sorted({v for _, v in answer.parts})  # one part per version
+        assert all(p.first == p.last for p in answer.parts)  # aborted parts: each of one version
+        versions = [p.last for p in answer.parts]
+        assert versions == sorted(set(versions))  # one part per version
         assert len(answer.output_ids) == len(answer.logprobs) == PARAMS["max_new_tokens"]
-        assert sum(n for n, _ in answer.parts) == PARAMS["max_new_tokens"] and answer.finish == "length"
+        assert sum(p.tokens for p in answer.parts) == PARAMS["max_new_tokens"] and answer.finish == "length"
         # Each part's logprobs are those of its tokens under the weights that generated it.
         ids = torch.tensor([PROMPT + list(answer.output_ids)])
         start = 0
-        for length, version in answer.parts:
+        for length, version, _ in answer.parts:
             with torch.no_grad():
                 logits = models[version](ids).logits[
                     0, len(PROMPT) - 1 + start : len(PROMPT) - 1 + start + length
@@ -93,7 +95,7 @@ def test_a_group_spanning_three_weight_versions_has_aligned_tokens_and_logprobs(
 def test_a_continuation_asks_for_the_rest_of_the_budget_with_a_seed_of_its_own():
     from areal_hpc.gen.partial import PartialAnswer
 
-    half = PartialAnswer((1, 2, 3), (-0.1, -0.2, -0.3), "abort", 0, 0, ((3, 0),))
+    half = PartialAnswer((1, 2, 3), (-0.1, -0.2, -0.3), "abort", 0, 0, (Part(3, 0, 0),))
     params = {"n": 4, "max_new_tokens": 10, "min_new_tokens": 5, "sampling_seed": 7}
     assert continuation_params(params, half, index=2) == {
         "n": 1, "max_new_tokens": 7, "min_new_tokens": 2, "sampling_seed": 7 + 2000 + 3,
@@ -113,6 +115,33 @@ def test_without_interruption_an_update_waits_for_running_answers(client, tiny_m
     (answers,) = box  # finished on the old weights, never interrupted
     assert all((a.version_start, a.version_end, a.n_parts, a.finish) == (0, 0, 1, "length") for a in answers)
     assert client.generate(PROMPT, {"max_new_tokens": 2})[0]["meta_info"]["weight_version"] == "1"
+
+
+def test_an_answer_paused_in_place_across_an_update_starts_at_the_version_it_was_sent_under(
+    client, tiny_model_dir, tmp_path
+):
+    # Not interruptible: the publisher pauses answers in place and they go on under the new weights. The
+    # server then reports only version 1, at their end; their first tokens were sampled under version 0.
+    perturbed(tiny_model_dir, 1).save_pretrained(tmp_path / "v1")
+    write_manifest(tmp_path / "v1")
+    box: list = []
+    params = {**PARAMS, "n": 2}
+    worker = threading.Thread(
+        target=lambda: box.append(generate_group(client, PROMPT, params, min_version=0)), daemon=True
+    )
+    worker.start()
+    wait_generating(client, 0)
+    client.pause_generation("in_place")
+    paused_at = client.server_info()["stats"]["generated_tokens"]
+    client.update_weights_from_disk(str(tmp_path / "v1"), weight_version=1, abort_all_requests=False)
+    client.continue_generation()
+    worker.join(120)
+    (answers,) = box
+    assert paused_at < 2 * params["max_new_tokens"]  # paused while the answers were being written
+    for answer in answers:
+        assert (answer.version_start, answer.version_end, answer.finish) == (0, 1, "length")
+        # One request, its tokens sampled under versions 0 then 1, the split unknown to the client.
+        assert answer.parts == (Part(params["max_new_tokens"], 0, 1),)
 
 
 def test_weight_versions_are_read_from_sglang_string_labels():

@@ -25,7 +25,7 @@ def a_run_at_step_3(tmp_path):
     write_progress(run.progress, 3, 10, "reward", 0.25, eta_secs=70)
     manager = GenerationManager(1, 4, 2, 8, state=ManagerState(version=3, accepted=14, dropped=1))
     assert manager.allocate_rollout() and manager.allocate_rollout()
-    fsio.write_json(run.generation, manager.counters())
+    fsio.write_json(run.generation, {**manager.counters(), "waiting_samples": 5})
     StatsLog(run.stats).write(
         3, {"ppo_actor/head_offpolicyness/avg": 0.5, "ppo_actor/head_offpolicyness/max": 2}
     )
@@ -39,7 +39,9 @@ def test_status_shows_rollouts_in_flight_and_how_stale_they_may_be(tmp_path):
     assert shown["run"] == "RUNNING"
     assert shown["roles"] == "2 of 2 alive"
     assert shown["progress"].endswith("step 3/10 reward 0.250 ETA 0:01:10")
-    assert shown["rollouts in flight"] == "2 (at most 8); 14 accepted, 1 dropped"
+    assert shown["rollouts in flight"] == (
+        "2 (at most 8); 14 accepted, 1 dropped; 5 samples waiting for a server slot"
+    )
     assert shown["staleness"] == (
         "servers hold weight version 3; new rollouts aim at version 4 (bound 5); "
         "last step's samples 0.5 versions behind (max 2)"
@@ -72,4 +74,7 @@ def test_watch_redraws_until_the_run_ends(tmp_path):
 def test_areal_hpc_status_prints_the_rows(tmp_path, capsys):
     run = a_run_at_step_3(tmp_path)
     assert main(["status", str(run.root)]) == 0
-    assert "  rollouts in flight: 2 (at most 8); 14 accepted, 1 dropped" in capsys.readouterr().out
+    assert (
+        "  rollouts in flight: 2 (at most 8); 14 accepted, 1 dropped; 5 samples waiting"
+        in capsys.readouterr().out
+    )

@@ -347,7 +347,8 @@ class ExperimentConfig:
     interruptible_generation: bool = opt(
         True,
         "Async: a weight update interrupts running requests, which continue on the new weights; false: "
-        "the update waits for them to finish.",
+        "running requests are not interrupted: an update waits for them (SGLang's from disk) or pauses them in "
+        "place and they go on under the new weights (their version_start: the version published when sent).",
     )
     weight_update_mode: str = opt(
         "broadcast",

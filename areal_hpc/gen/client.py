@@ -5,16 +5,28 @@ the server could not be reached) and the server's message. Each calling thread k
 server open between calls (HTTP/1.1 keep-alive): a publication sends a request per bucket, and on this
 project's 2-core CPU a small call took 1.3 ms through urllib, 0.9 ms on a new connection, 0.4-0.5 ms on a kept
 one (tools/bench_gen.py).
+
+A client given its server's ``capacity`` (max_running_requests: the samples it decodes together) sends no
+more than that many samples at once from this process: the surplus waits here, not in the server's queue,
+where it would spend the time budget of its call (issue 28: a step of 512 x 16 long answers on 4 servers of 64
+rows queues far longer than any budget). Every client of that server in the process shares one `Admission`.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import threading
 import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
 
 
 class GenServerError(RuntimeError):
@@ -29,14 +41,90 @@ class GenServerError(RuntimeError):
 # How a connection the server closed fails the next request on it.
 STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 SECS_PER_TOKEN = 0.1  # the slowest decoding a /generate call waits for (10 tokens/s per answer)
+STOP_POLL_SECS = 0.5  # how often a request waiting for admission looks at its caller's stop event
+
+
+class GenerationStopped(RuntimeError):
+    """A request given up before it was sent: its caller stopped while it waited for admission."""
+
+
+class Admission:
+    """The samples this process may have at one server at once (its capacity); the rest wait, first come
+    first served. A request of more samples than the capacity waits for all of it. No deadline: every
+    holder is bounded by its own call's timeout, so every wait is bounded too."""
+
+    def __init__(self, url: str, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"the capacity of {url} must be at least 1, got {capacity}")
+        self.url, self.capacity = url, capacity
+        self.in_use = 0  # samples sent and not answered
+        self.waiting = 0  # samples waiting for slots (`areal-hpc status` material)
+        self._line: deque[object] = deque()  # waiting requests in arrival order
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def slots(self, n: int, stop: threading.Event | None = None) -> Iterator[None]:
+        """Hold min(n, capacity) slots while the body runs. ``stop`` set while waiting: GenerationStopped."""
+        n = min(n, self.capacity)
+        self._enter(n, stop)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.in_use -= n
+                self._cond.notify_all()
+
+    def _enter(self, n: int, stop: threading.Event | None) -> None:
+        me = object()
+        with self._cond:
+            self._line.append(me)
+            self.waiting += n
+            try:
+                if not self._admits(me, n):
+                    log.debug("%d samples wait for %s: %d of %d slots in use, %d samples waiting",
+                              n, self.url, self.in_use, self.capacity, self.waiting)  # fmt: skip
+                while not self._admits(me, n):
+                    if stop is not None and stop.is_set():
+                        raise GenerationStopped(f"/generate to {self.url} not sent: stopped while waiting "
+                                                f"for {n} of its {self.capacity} slots")  # fmt: skip
+                    self._cond.wait(STOP_POLL_SECS if stop is not None else None)
+                self.in_use += n
+            finally:
+                self._line.remove(me)
+                self.waiting -= n
+                self._cond.notify_all()  # the next in line may go now
+
+    def _admits(self, me: object, n: int) -> bool:
+        return self._line[0] is me and self.in_use + n <= self.capacity
+
+
+_admissions: weakref.WeakValueDictionary[str, Admission] = weakref.WeakValueDictionary()
+_admissions_lock = threading.Lock()
+
+
+def admission(url: str, capacity: int) -> Admission:
+    """This process's admission to the server at ``url``, shared by all its clients of that server."""
+    with _admissions_lock:
+        found = _admissions.get(url)
+        if found is None:
+            found = _admissions[url] = Admission(url, capacity)
+        elif found.capacity != capacity:
+            raise ValueError(
+                f"{url} has a capacity of {found.capacity} samples in this process, not {capacity}"
+            )
+        return found
 
 
 class GenClient:
     """Calls one generation server at ``url`` with the run's bearer ``token``. With a ``tokenizer``, an
-    answer without ``text`` (SGLang with --skip-tokenizer-init, as AReaL launches it) gets it decoded here."""
+    answer without ``text`` (SGLang with --skip-tokenizer-init, as AReaL launches it) gets it decoded here.
+    With a ``capacity``, /generate calls wait for admission (see the module's docstring); None: no limit."""
 
-    def __init__(self, url: str, token: str | None, timeout: float = 600.0, tokenizer=None):
+    def __init__(
+        self, url: str, token: str | None, timeout: float = 600.0, tokenizer=None, capacity: int | None = None
+    ):
         self.url, self.token, self.timeout, self.tokenizer = url.rstrip("/"), token, timeout, tokenizer
+        self.admission = admission(self.url, capacity) if capacity is not None else None
         self._local = threading.local()  # this thread's kept-alive connection
 
     # --- generation ---------------------------------------------------------------------------------------
@@ -50,9 +138,11 @@ class GenClient:
         *,
         text: str | list[str] | None = None,
         timeout: float | None = None,
+        stop: threading.Event | None = None,
     ) -> list[dict]:
         """Generate for one prompt or a list of prompts (or ``text``); always a list, prompt-major, n each.
-        The timeout grows with max_new_tokens: a long answer at a slow but working server is no failure."""
+        The timeout starts once admitted and grows with max_new_tokens: a long answer at a slow but working
+        server is no failure. ``stop`` set while waiting for admission: GenerationStopped, nothing sent."""
         params = sampling_params or {}
         body: dict[str, Any] = {"sampling_params": params, "return_logprob": return_logprob}
         if input_ids is not None:
@@ -62,7 +152,9 @@ class GenClient:
         if rid is not None:
             body["rid"] = rid
         budget = self.timeout + SECS_PER_TOKEN * (params.get("max_new_tokens") or 0)
-        result = self._call("POST", "/generate", body, timeout or budget)
+        n = n_prompts(input_ids if input_ids is not None else text) * params.get("n", 1)
+        with self.admission.slots(n, stop) if self.admission else nullcontext():
+            result = self._call("POST", "/generate", body, timeout or budget)
         responses = result if isinstance(result, list) else [result]
         for r in responses:
             if "text" not in r and self.tokenizer is not None:
@@ -260,6 +352,12 @@ class GenClient:
         parts = urlsplit(self.url)
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         return kind(parts.hostname, parts.port, timeout=timeout)
+
+
+def n_prompts(prompts) -> int:
+    """How many prompts a /generate body asks for: a list of id lists, or of texts, is a batch."""
+    batched = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
+    return len(prompts) if batched else 1
 
 
 def _error_message(raw: bytes) -> str:

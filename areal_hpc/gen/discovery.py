@@ -22,13 +22,19 @@ def withdraw(path: Path) -> None:
 
 
 def clients(
-    run: RunDir, n_servers: int, tokenizer=None, timeout: float = START_TIMEOUT_SECS
+    run: RunDir,
+    n_servers: int,
+    tokenizer=None,
+    timeout: float = START_TIMEOUT_SECS,
+    capacity: int | None = None,
 ) -> list[GenClient]:
     """A client of each of the run's `n_servers` servers, once each announced itself (`tokenizer`: decodes
-    the answers of servers that send no text)."""
+    the answers of servers that send no text; `capacity`: the samples a server runs at once,
+    max_running_requests, which this process sends it at most)."""
     token = run.token()
     return [
-        GenClient(wait_address(run, i, timeout)["url"], token, tokenizer=tokenizer) for i in range(n_servers)
+        GenClient(wait_address(run, i, timeout)["url"], token, tokenizer=tokenizer, capacity=capacity)
+        for i in range(n_servers)
     ]
 
 

@@ -4,14 +4,29 @@ A weight update aborts the server's running requests; each returns what it has (
 answer is then continued: prompt + tokens so far are sent again with the remaining token budget, to the new
 weights. Tokens and behaviour logprobs are concatenated; the answer keeps the version of its first part
 (version_start) and takes that of its last part (version_end).
+
+Without interruption (``interruptible_generation: false``) a publication pauses answers in place and they go
+on under the new weights: the server reports only the version at the end, so the version of the first
+tokens is taken from the sender, who knows (a lower bound of) the version the server held when it sent.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 ABORT = "abort"
+
+
+class Part(NamedTuple):
+    """The tokens one request added to an answer and the weight versions they were sampled under: one version
+    (first == last) unless the request was paused in place across updates; then first is a lower bound (the
+    version its sender knew the server held) and how the tokens split between the versions is unknown."""
+
+    tokens: int
+    first: int
+    last: int
 
 
 @dataclass(frozen=True)
@@ -23,7 +38,7 @@ class PartialAnswer:
     finish: str  # stop | length | abort (abort: interrupted, to be continued)
     version_start: int
     version_end: int
-    parts: tuple[tuple[int, int], ...] = ()  # (tokens, weight version) of each part, in order
+    parts: tuple[Part, ...] = ()  # each request's part, in order
 
     @property
     def n_parts(self) -> int:
@@ -49,23 +64,25 @@ def version_of(label) -> int:
     return int(label)
 
 
-def from_response(response: dict) -> PartialAnswer:
+def from_response(response: dict, min_version: int | None = None) -> PartialAnswer:
     """The first part of an answer, from one /generate response object (a request aborted while still
-    queued has no tokens, and SGLang then sends no logprobs)."""
+    queued has no tokens, and SGLang then sends no logprobs). ``min_version``: the version the sender knew
+    the server held when it sent, where a server may pause the request in place across an update (its
+    response then reports only the version at its end)."""
     meta = response["meta_info"]
     ids = tuple(int(t) for t in response["output_ids"])
     logprobs = tuple(float(item[0]) for item in meta.get("output_token_logprobs") or ())
     if len(ids) != len(logprobs):
         raise ValueError(f"server returned {len(ids)} tokens but {len(logprobs)} logprobs")
-    version = version_of(meta.get("weight_version"))
+    last = version_of(meta.get("weight_version"))  # the server's when the request ended
+    first = last if min_version is None else min(min_version, last)
     return PartialAnswer(
-        ids, logprobs, meta["finish_reason"]["type"], version, version, ((len(ids), version),)
+        ids, logprobs, meta["finish_reason"]["type"], first, last, (Part(len(ids), first, last),)
     )
 
 
-def extend(answer: PartialAnswer, response: dict) -> PartialAnswer:
-    """`answer` continued by the response to its resubmission."""
-    part = from_response(response)
+def extend(answer: PartialAnswer, part: PartialAnswer) -> PartialAnswer:
+    """`answer` continued by `part`, the answer to its resubmission."""
     return replace(
         answer,
         output_ids=answer.output_ids + part.output_ids,
@@ -86,22 +103,34 @@ def continuation_params(params: dict, answer: PartialAnswer, index: int) -> dict
     return out
 
 
-def generate_group(client, prompt: list[int], params: dict, max_parts: int = 1000) -> list[PartialAnswer]:
-    """params["n"] answers to `prompt` on one server, each continued after interruptions until it ends."""
-    answers = [from_response(r) for r in client.generate([prompt], params)]
+def generate_group(
+    client,
+    prompt: list[int],
+    params: dict,
+    max_parts: int = 1000,
+    *,
+    min_version: int | None = None,
+    stop=None,
+) -> list[PartialAnswer]:
+    """params["n"] answers to `prompt` on one server, each continued after interruptions until it ends.
+    ``min_version``: see `from_response`; ``stop``: a threading.Event that gives up requests still waiting for
+    admission (`GenClient.generate`)."""
+
+    def ask(ids: list[int], p: dict) -> list[PartialAnswer]:
+        return [from_response(r, min_version) for r in client.generate([ids], p, stop=stop)]
+
+    answers = ask(prompt, params)
     if not any(a.interrupted for a in answers):
         return answers
     with ThreadPoolExecutor(len(answers)) as pool:  # interrupted answers continue side by side
-        return list(pool.map(lambda ia: finish(client, prompt, params, *ia, max_parts), enumerate(answers)))
+        return list(pool.map(lambda ia: finish(ask, prompt, params, *ia, max_parts), enumerate(answers)))
 
 
-def finish(client, prompt: list[int], params: dict, index: int, answer: PartialAnswer, max_parts: int):
-    """`answer` continued until it ends by stop or length."""
+def finish(ask, prompt: list[int], params: dict, index: int, answer: PartialAnswer, max_parts: int):
+    """`answer` continued until it ends by stop or length; ``ask(ids, params)`` generates one part."""
     while answer.interrupted and len(answer.output_ids) < params["max_new_tokens"]:
         if answer.n_parts >= max_parts:
             raise RuntimeError(f"an answer was interrupted {max_parts} times; is the server restarting?")
-        (response,) = client.generate(
-            [prompt + list(answer.output_ids)], continuation_params(params, answer, index)
-        )
-        answer = extend(answer, response)
+        (part,) = ask(prompt + list(answer.output_ids), continuation_params(params, answer, index))
+        answer = extend(answer, part)
     return replace(answer, finish="length") if answer.interrupted else answer  # interrupted at the budget

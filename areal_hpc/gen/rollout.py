@@ -1,7 +1,9 @@
 """Synchronous rollout of one step: prompts -> generation servers -> rewards -> a packed batch file.
 
 Each prompt's group_size answers go to one server (prefix-cache reuse, as the original's manager does),
-prompts are spread round-robin over the servers, and all requests of a step are in flight at once.
+prompts are spread round-robin over the servers, and all requests of a step are submitted at once: each
+server's client sends it at most its capacity (max_running_requests) and holds the rest back
+(`gen.client.Admission`), so a request's timeout does not run while it queues behind the others.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def group_params(cfg: ExperimentConfig, query_id: str, epoch: int) -> dict:
 def generate_groups(
     clients: Sequence, prompts: Sequence[PromptSample], params: Sequence[dict]
 ) -> list[list[tuple[PartialAnswer, str]]]:
-    """group_size (answer, text) per prompt (sampled with params[i]), all prompts in flight at once, prompt i
+    """group_size (answer, text) per prompt (sampled with params[i]), all prompts submitted at once, prompt i
     on server i % len(servers)."""
 
     def one(i: int) -> list[tuple[PartialAnswer, str]]:

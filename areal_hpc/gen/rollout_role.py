@@ -34,7 +34,7 @@ def run(ctx: RunContext) -> None:
     cfg, ds = ctx.cfg, ctx.cfg.dataset
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     train = training_prompts(cfg, tokenizer)
-    clients = discovery.clients(ctx.run, len(ctx.allocation.gen_servers()))
+    clients = discovery.clients(ctx.run, len(ctx.allocation.gen_servers()), capacity=cfg.max_running_requests)
     _, total_steps = run_steps(cfg.exp_ctrl, len(train), ds.train_bs_n_seqs)
     max_concurrent = cfg.max_concurrent_rollouts or ds.train_bs_n_seqs
     point = wait_start_point(ctx.run, ctx.attempt)
@@ -64,10 +64,10 @@ def run(ctx: RunContext) -> None:
                 if published:
                     manager.set_version(published["version"])
                 if time.monotonic() - shown > COUNTERS_SECS:
-                    fsio.write_json(ctx.run.generation, manager.counters())
+                    fsio.write_json(ctx.run.generation, counters(manager, clients))
                     shown = time.monotonic()
                 time.sleep(VERSION_POLL_SECS)
-            fsio.write_json(ctx.run.generation, manager.counters())
+            fsio.write_json(ctx.run.generation, counters(manager, clients))
         finally:
             stop.set()
             for t in threads:
@@ -77,6 +77,11 @@ def run(ctx: RunContext) -> None:
         raise errors[0]
     if why:
         raise RunEndedError(why)
+
+
+def counters(manager: GenerationManager, clients) -> dict[str, int]:
+    """What `areal-hpc status` reads: the manager's counters, and the samples waiting for a server's slot."""
+    return {**manager.counters(), "waiting_samples": sum(c.admission.waiting for c in clients)}
 
 
 def wait_start_point(run: RunDir, attempt: int) -> dict:

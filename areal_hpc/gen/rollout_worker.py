@@ -22,6 +22,7 @@ import numpy as np
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import Ledger
 from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSampler, read_attrs
+from areal_hpc.gen.client import GenerationStopped
 from areal_hpc.gen.manager import GenerationManager
 from areal_hpc.gen.partial import generate_group
 from areal_hpc.gen.rollout import group_params, pack_groups, scores
@@ -86,6 +87,8 @@ class RolloutWorker:
                     kept = self.rollout(*self.next_prompt())
                 finally:
                     ctx.manager.finish_rollout(kept)
+        except GenerationStopped:
+            return  # the role stops: a request still waiting for its server was given up, nothing failed
         except BaseException as exc:  # the role's main thread sees it and fails the run
             logger.exception("rollout thread failed")
             self.errors.append(exc)
@@ -99,8 +102,13 @@ class RolloutWorker:
         n_tokens = len(prompt.input_ids) * cfg.group_size
         group = f"{self.index}-{sequence}"  # a prompt may be in flight twice (an epoch ends meanwhile)
         server = ctx.manager.schedule_request(group, n_tokens)
+        # Paused in place across an update (not interruptible), an answer reports only the version at its
+        # end: that of its first tokens is at least the version published when it was sent.
+        sent = None if cfg.interruptible_generation else ctx.manager.version
         try:
-            answers = generate_group(ctx.clients[server], list(prompt.input_ids), params)
+            answers = generate_group(
+                ctx.clients[server], list(prompt.input_ids), params, min_version=sent, stop=ctx.stop
+            )
         finally:
             ctx.manager.release(group, n_tokens)
             ctx.manager.close_group(group)

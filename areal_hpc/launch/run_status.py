@@ -78,10 +78,16 @@ def generation_rows(g: dict, last: dict) -> list[tuple[str, str]]:
         )
     return [
         ("rollouts in flight", f"{g['running']} (at most {g['max_concurrent']}); "
-                               f"{g['accepted']} accepted, {g['dropped']} dropped"),
+                               f"{g['accepted']} accepted, {g['dropped']} dropped"
+                               f"{waiting(g.get('waiting_samples', 0))}"),
         ("staleness", f"servers hold weight version {g['version']}; new rollouts aim at version "
                       f"{g['expected_version']} (bound {g['version'] + g['bound']}){head}"),
     ]  # fmt: skip
+
+
+def waiting(samples: int) -> str:
+    """Samples held back until a server has room for them (gen.client.Admission)."""
+    return f"; {samples} samples waiting for a server slot" if samples else ""
 
 
 def last_step_stats(run: RunDir) -> dict:

@@ -28,7 +28,9 @@ def run(ctx: RunContext) -> None:
     logger.info("Loaded %d prompts from %s (%d longer than %d tokens dropped)", len(train), ds.path,
                 train.n_dropped, ds.max_prompt_len)  # fmt: skip
     heldout = prompts_of(cfg, ds.valid_path, tokenizer) if ds.valid_path else None
-    clients = discovery.clients(run, len(ctx.allocation.gen_servers()), tokenizer)
+    clients = discovery.clients(
+        run, len(ctx.allocation.gen_servers()), tokenizer, capacity=cfg.max_running_requests
+    )
     trainers = TrainerGroup(run, ctx.allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
     graph = build_graph(cfg, trainer_only=True)

@@ -97,7 +97,8 @@ class BroadcastPublisher:
 
     ``trainers`` needs ``call_one(rank, type, payload, timeout)`` (``TrainerGroup``); ``clients`` are
     ``GenClient``s, one rank each. ``abort_all_requests=False``: no interruption; generation is paused in
-    place while the buckets arrive, and running requests go on with the new weights.
+    place while the buckets arrive, and running requests go on with the new weights (their answers report
+    only the new version: the rollout side knows the one they started under, gen/partial.py).
     """
 
     def __init__(
