@@ -1,14 +1,19 @@
 """Helpers of the tests: the toy experiment's settings, the role processes of a run, a probe of the tensors
-an op makes, and what TensorBoard reads from a run."""
+an op makes, what TensorBoard reads from a run, and shared storage that refuses file locks."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import platform
 import weakref
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from areal_hpc.reward import jail
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +123,32 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(folder))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# --- file locks refused, as on shared storage ---------------------------------------------------------------
+
+
+_FLOCK_SYSCALL = {"x86_64": 73, "aarch64": 32}
+CAN_REFUSE_FLOCK = platform.system() == "Linux" and platform.machine() in _FLOCK_SYSCALL
+
+
+def refuse_flock(err: int) -> None:
+    """From now on every flock() of this process fails with ``err``: ENOSYS as on Lustre mounted without
+    flock, ENOLCK as on NFS without a lock daemon. A seccomp filter: it cannot be undone, so only a child
+    process may call this."""
+    load_nr, jeq, ret = 0x20, 0x15, 0x06
+    program = [
+        jail.bpf(load_nr, 0),
+        jail.bpf(jeq, _FLOCK_SYSCALL[platform.machine()], jf=1),
+        jail.bpf(ret, 0x00050000 | err),  # SECCOMP_RET_ERRNO
+        jail.bpf(ret, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    ]
+    if not jail.install_filter(b"".join(program)):
+        raise OSError("cannot install the seccomp filter that refuses flock")
+    with open(os.devnull) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as exc:
+            assert exc.errno == err, exc
+        else:
+            raise AssertionError("flock still works after the filter")

@@ -1,9 +1,13 @@
 """Packed HDF5 batch files: the data plane between roles."""
 
+import errno
+import multiprocessing
+
 import numpy as np
 import pytest
 
-from areal_hpc.data.batch import BatchError, gather, read_attrs, read_batch, select, write_batch
+from areal_hpc.data.batch import BatchError, gather, read_attrs, read_batch, read_keys, select, write_batch
+from tests.helpers import CAN_REFUSE_FLOCK, refuse_flock
 
 
 def toy_batch():
@@ -74,3 +78,20 @@ def test_gather_refuses_misaligned_tokens(tmp_path):
     other = write_batch(tmp_path / "other.h5", {"cu_seqlens": np.array([0, 3, 5]), "x": np.zeros(5)})
     with pytest.raises(BatchError, match="has 2 tokens, not 3"):
         gather({"packed_input_ids": [(str(gen), 0)], "rewards": [(str(gen), 1)], "x": [(str(other), 1)]})
+
+
+def _write_and_read_where_locks_are_refused(path: str) -> None:
+    refuse_flock(errno.ENOLCK)  # as NFS without a lock daemon does
+    write_batch(path, toy_batch(), {"step": 1})
+    assert read_batch(path, keys=["rewards"])["rewards"].tolist() == [1.0, -1.0, 0.5]
+    assert read_attrs(path) == {"step": 1} and "rewards" in read_keys(path)
+
+
+@pytest.mark.skipif(not CAN_REFUSE_FLOCK, reason="no seccomp filter for flock on this machine")
+def test_batches_are_written_and_read_where_file_locks_are_refused(tmp_path):
+    child = multiprocessing.get_context("spawn").Process(
+        target=_write_and_read_where_locks_are_refused, args=(str(tmp_path / "b.h5"),)
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0, "the batch file could not be written or read: see the child's error above"

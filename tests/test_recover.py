@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -118,6 +120,32 @@ def test_rewinding_removes_every_trace_of_steps_after_the_checkpoint(tmp_path):
     assert not (tmp_path / "data").exists()
     assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["early.h5"]
     assert fsio.read_json(run.published_version) == {"version": 2}
+
+
+def test_a_ledger_restore_that_fails_halfway_leaves_the_old_ledger_whole(tmp_path, monkeypatch):
+    run, saved = RunDir(tmp_path), tmp_path / "recover" / "step00000001"
+    Ledger(run.ledger).record(0, 1, ["q1"])
+    saved.mkdir(parents=True)
+    save_into(run, saved)
+    Ledger(run.ledger).record(0, 2, ["q2"])
+    before = run.ledger.read_bytes()
+    real_write, real_sendfile = os.write, os.sendfile
+
+    def write(fd, data):  # the disk fills up: a few bytes land, then the write fails
+        real_write(fd, bytes(data[:5]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def sendfile(out_fd, in_fd, offset, count):  # how shutil copies a file on Linux
+        real_sendfile(out_fd, in_fd, offset, 5)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    with pytest.raises(OSError, match="No space left"):
+        rewind(run, step=1, version=1, saved=saved)
+    monkeypatch.undo()
+    assert run.ledger.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run.ledger.name, "recover"]  # no partial copy
 
 
 def test_a_fresh_start_in_a_used_directory_clears_the_earlier_attempts_traces(tmp_path):

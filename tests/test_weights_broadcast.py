@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from areal_hpc.train.backends.torch.engine import TorchEngine
 from areal_hpc.train.worker import TrainerHandlers
 from areal_hpc.weights.group import GroupTimeout, WeightGroup, host_store
 from areal_hpc.weights.publisher import BroadcastPublisher, WeightSyncError
+from areal_hpc.weights.sender import WeightSender
 from tests.test_gen_server import in_thread, wait_running
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,5 +199,33 @@ def test_a_group_whose_peers_never_join_times_out_naming_it():
         GroupTimeout,
         match=r"weight group 'lonely' \(gloo, rank 0 of 3\): not every one of the 3 ranks joined within 1 s",
     ):
-        WeightGroup(host_store(0, 1), "lonely", 0, 3, "gloo", timeout_s=1)
+        WeightGroup(host_store("127.0.0.1", 0, 1), "lonely", 0, 3, "gloo", timeout_s=1)
     assert time.monotonic() - start < 10
+
+
+def test_a_node_name_that_resolves_to_loopback_here_is_served_on_every_interface(monkeypatch, caplog):
+    """Debian's /etc/hosts maps the node's own name to 127.0.1.1: its peers resolve it to another address."""
+    resolve = socket.getaddrinfo
+    monkeypatch.setattr(
+        socket,
+        "getaddrinfo",
+        lambda host, *a, **k: resolve("127.0.1.1" if host == "node7" else host, *a, **k),
+    )
+    sender = WeightSender()
+    port = sender.open("bound", timeout_s=5, host="node7")
+    try:
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+        assert "node7 resolves to 127.0.1.1 here" in caplog.text
+    finally:
+        sender.close()
+
+
+def test_the_groups_store_listens_on_the_address_given_to_the_servers_alone():
+    sender = WeightSender()
+    port = sender.open("bound", timeout_s=5, host="127.0.0.1")
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):  # another address of this machine
+            socket.create_connection(("127.0.0.2", port), timeout=5)
+    finally:
+        sender.close()

@@ -58,7 +58,7 @@ def test_the_trainer_side_meets_a_receiver_written_from_sglang_description(tmp_p
     buckets = plan_buckets(weight_metas(weights, torch.bfloat16), bucket_bytes=256)
     (offset,), world_size = server_ranks([2])  # rank 0 the trainer; the server's two TP ranks: 1 and 2
     assert (offset, world_size) == (1, 3)
-    store = host_store(0, 60)
+    store = host_store("127.0.0.1", 0, 60)
     fields = [bucket_fields(b) for b in buckets]
     spawn = multiprocessing.get_context("spawn")
     ranks = [

@@ -68,15 +68,24 @@ def _write_tmp(path: Path, data: bytes, fsync: bool) -> Path:
             view = view[os.write(fd, view) :]
         if fsync:
             os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        remove(tmp)  # a full disk, a quota: no half-written file is left behind
+        raise
+    os.close(fd)
     return tmp
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = False) -> None:
     """Atomically write ``obj`` as JSON to ``path`` (temporary file in the same folder, then rename)."""
     path = Path(path)
-    tmp = _write_tmp(path, _dumps(obj, path), fsync)
+    write_bytes(path, _dumps(obj, path), fsync=fsync)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = False) -> None:
+    """Atomically write ``data`` to ``path`` (temporary file in the same folder, then rename)."""
+    path = Path(path)
+    tmp = _write_tmp(path, data, fsync)
     try:
         retry_estale(lambda: os.replace(tmp, path), path)
     except BaseException:

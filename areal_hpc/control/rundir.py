@@ -2,7 +2,7 @@
 
     <fileroot>/<user>/<experiment>/<trial>/   (0700)
       config.yaml  secret  status.json  FINISHED  progress.json  start.json  version.json  ledger.jsonl
-      heartbeat/<role>.json  mailbox/<worker>/  gen_servers/<i>.json (+ <i>.dist_init.json)  dist_init
+      heartbeat/<role>.json  mailbox/<worker>/  gen_servers/<i>.json (+ <i>.dist_init.json)  dist_init.json
       data/step<N>/  rollouts/ (+ dropped/)  weights/v<N>/  checkpoints/<role>/<name>/  recover/step<N>/
       logs/attempt<N>/<role>.log  logs/stats.jsonl  logs/failed_attempts  slurm/ (scripts, jobs.json)
 
@@ -109,8 +109,8 @@ class RunDir:
 
     @property
     def dist_init(self) -> Path:
-        """The trainers' torch.distributed rendezvous file."""
-        return self.root / "dist_init"
+        """{"host", "port", "attempt"}: where the trainers' process group meets (trainer rank 0's store)."""
+        return self.root / "dist_init.json"
 
     # --- data ---------------------------------------------------------------------------------------------
 

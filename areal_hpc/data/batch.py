@@ -4,7 +4,8 @@ A batch of B sequences is stored packed: `cu_seqlens` (B+1, int64) gives the bou
 have length T = cu_seqlens[-1] and per-sequence arrays length B (the layout of `areal_hpc.algo.packing`).
 Every sequence has at least two tokens (a prompt token and an answer token), so T > B and an array's
 length alone says which kind it is.
-Files are written to a temporary name and renamed, so a reader never sees half a batch.
+Files are written to a temporary name and renamed, so a reader never sees half a batch; nor do they need HDF5's
+file lock, which NFS and Lustre often refuse ("unable to lock file"): every file is opened without it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ CU = "cu_seqlens"
 
 class BatchError(ValueError):
     """A batch whose arrays do not fit its cu_seqlens, or a key or file that is not there."""
+
+
+def _open(path: str | Path, mode: str) -> h5py.File:
+    """An HDF5 file of the run directory, without HDF5's file lock (see the module's docstring)."""
+    return h5py.File(path, mode, locking=False)
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -53,7 +59,7 @@ def write_batch(path: str | Path, arrays: Mapping[str, Any], attrs: Mapping[str,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with h5py.File(tmp, "w") as f:
+    with _open(tmp, "w") as f:
         for key, value in arrays.items():
             f.create_dataset(key, data=_as_numpy(value))
         for key, value in (attrs or {}).items():
@@ -69,7 +75,7 @@ def read_batch(
     path = Path(path)
     if not path.is_file():
         raise BatchError(f"batch file {path} does not exist")
-    with h5py.File(path, "r") as f:
+    with _open(path, "r") as f:
         wanted = list(f.keys()) if keys is None else [k for k in keys if k != CU]
         missing = [k for k in wanted if k not in f]
         if missing:
@@ -81,7 +87,7 @@ def read_batch(
 
 def read_attrs(path: str | Path) -> dict[str, Any]:
     """The metadata of a batch file."""
-    with h5py.File(path, "r") as f:
+    with _open(path, "r") as f:
         return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
 
 
@@ -143,5 +149,5 @@ def gather(refs: Mapping[str, Sequence[tuple[str, int]]]) -> dict[str, np.ndarra
 
 def read_keys(path: str | Path) -> list[str]:
     """The keys a batch file holds."""
-    with h5py.File(path, "r") as f:
+    with _open(path, "r") as f:
         return list(f.keys())

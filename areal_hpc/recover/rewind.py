@@ -27,8 +27,8 @@ def rewind(run: RunDir, step: int, version: int, saved: Path | None = None) -> N
     checkpoint holding the ledger and rollout store of that moment (None: a fresh start, both empty)."""
     # A recover checkpoint holds copies of the ledger and the store under their names in the run directory.
     ledger, store = run.ledger, run.rollouts
-    if saved is not None and (saved / ledger.name).is_file():
-        shutil.copyfile(saved / ledger.name, ledger)
+    if saved is not None and (saved / ledger.name).is_file():  # whole or not at all: the ledger is the truth
+        fsio.write_bytes(ledger, (saved / ledger.name).read_bytes(), fsync=True)
     else:
         _keep_lines(ledger, lambda rec: rec["step"] <= step)
     _keep_lines(run.stats, lambda row: row["step"] <= step)
@@ -58,12 +58,7 @@ def _keep_lines(path: Path, keep) -> None:
                 kept.append(line if line.endswith("\n") else line + "\n")
         except (ValueError, KeyError, TypeError):
             continue
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fsio.write_bytes(path, "".join(kept).encode(), fsync=True)
 
 
 def save_into(run: RunDir, ckpt: Path) -> None:

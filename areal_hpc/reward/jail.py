@@ -112,21 +112,22 @@ _CLONE_THREAD = 0x10000
 _X32_BIT = 0x40000000  # x86-64's x32 system calls: another numbering, refused
 
 
-def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+def bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    """One instruction of a seccomp program (struct sock_filter)."""
     return struct.pack("HBBI", code, jt, jf, k)
 
 
 def _filter(arch: int, nr: dict[str, int]) -> bytes:
     """A seccomp program: clone only with CLONE_THREAD, no fork or vfork, clone3 'not implemented' (so that the
     C library falls back to clone for its threads), and no system call of another architecture."""
-    ops = [_op(_LD, 4), _op(_JEQ, arch, jt=1), _op(_RET, _ERRNO | _EPERM), _op(_LD, 0)]
-    ops += [_op(_JGE, _X32_BIT, jf=1), _op(_RET, _ERRNO | _EPERM)]
-    ops += [_op(_JEQ, nr["clone3"], jf=1), _op(_RET, _ERRNO | _ENOSYS)]
+    ops = [bpf(_LD, 4), bpf(_JEQ, arch, jt=1), bpf(_RET, _ERRNO | _EPERM), bpf(_LD, 0)]
+    ops += [bpf(_JGE, _X32_BIT, jf=1), bpf(_RET, _ERRNO | _EPERM)]
+    ops += [bpf(_JEQ, nr["clone3"], jf=1), bpf(_RET, _ERRNO | _ENOSYS)]
     for name in ("fork", "vfork"):
         if name in nr:
-            ops += [_op(_JEQ, nr[name], jf=1), _op(_RET, _ERRNO | _EPERM)]
-    ops += [_op(_JEQ, nr["clone"], jt=1), _op(_RET, _ALLOW), _op(_LD, 16)]
-    ops += [_op(_JSET, _CLONE_THREAD, jt=1), _op(_RET, _ERRNO | _EPERM), _op(_RET, _ALLOW)]
+            ops += [bpf(_JEQ, nr[name], jf=1), bpf(_RET, _ERRNO | _EPERM)]
+    ops += [bpf(_JEQ, nr["clone"], jt=1), bpf(_RET, _ALLOW), bpf(_LD, 16)]
+    ops += [bpf(_JSET, _CLONE_THREAD, jt=1), bpf(_RET, _ERRNO | _EPERM), bpf(_RET, _ALLOW)]
     return b"".join(ops)
 
 
@@ -139,7 +140,11 @@ def refuse_new_processes() -> bool:
     the architecture has no seccomp filter for it (the sandbox's probe then says the limits are per process)."""
     if platform.machine() not in _ARCHES:
         return False
-    code = _filter(*_ARCHES[platform.machine()])
+    return install_filter(_filter(*_ARCHES[platform.machine()]))
+
+
+def install_filter(code: bytes) -> bool:
+    """Apply the seccomp program `code` (bpf instructions) to this process for good; False where refused."""
     program = _Program(len(code) // 8, code)
     if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which an unprivileged filter needs
         return False

@@ -1,17 +1,17 @@
-"""torch.distributed for trainer ranks: a process group met through a file, and collectives that are safe to call
-alone.
+"""torch.distributed for trainer ranks: a process group met through the run directory, and collectives that are
+safe to call alone.
 
-Ranks rendezvous through a file in the run directory (``file://`` init): no address or port has to be agreed on
-and it works on shared storage. The file must be fresh for each group (name it per attempt). Every collective
-runs under the process group's timeout, so a dead peer ends in an error instead of a hang. The helpers below are
-no-ops when torch.distributed is not initialised or the world has one rank, so single-process code needs no
-branches.
+Rank 0 serves the group's TCPStore on the address its peers reach it at and writes that address to a file of the
+run directory (written once, tmp + rename); the other ranks wait for the file and connect. No file lock is
+taken: a ``file://`` rendezvous (torch's FileStore) needs flock, which Lustre without flock refuses (ENOSYS). The
+file names its attempt, so that an earlier attempt's address is never used. Every collective runs under the
+process group's timeout, so a dead peer ends in an error instead of a hang. The helpers below are no-ops when
+torch.distributed is not initialised or the world has one rank, so single-process code needs no branches.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,18 +19,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal_hpc.control import fsio, poll_until
+from areal_hpc.weights import host_store
+
 DEFAULT_TIMEOUT_S = 600.0
+MEETING_POLL_S = 0.1  # the longest sleep between two reads of the meeting file (shared storage)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 def local_rank(rank: int = 0) -> int:
-    """This process's index on its node: from the launcher's environment, else ``rank`` modulo the GPU count."""
+    """This process's index on its node: from the launcher's environment, else ``rank``."""
     for var in ("LOCAL_RANK", "SLURM_LOCALID"):
         if var in os.environ:
             return int(os.environ[var])
-    n_gpus = torch.cuda.device_count()
-    return rank % n_gpus if n_gpus else 0
+    return rank
+
+
+def device_index(local: int, visible: int) -> int:
+    """The CUDA device of the process of node index ``local`` that sees ``visible`` GPUs.
+
+    Slurm may bind GPUs per task (``--gpus-per-task``, ``--gpu-bind``): a task then sees only its own, from
+    device 0, whatever its index on the node.
+    """
+    return local % visible if visible else 0
 
 
 def default_device() -> torch.device:
@@ -45,29 +57,48 @@ def default_device() -> torch.device:
 def init_distributed(
     rank: int,
     world_size: int,
-    init_file: str | Path,
+    meeting: str | Path,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    host: str = "127.0.0.1",
+    attempt: int = 0,
 ) -> str:
-    """Join the trainer process group through ``init_file``; returns the backend (nccl with CUDA, else gloo).
+    """Join the trainer process group of ``attempt``; returns the backend (nccl with CUDA, else gloo).
 
-    ``timeout_s`` bounds the rendezvous and every later collective of the group.
+    Rank 0 serves the group's store on ``host`` (the address the other ranks reach it at) and writes where to
+    the file ``meeting``; the others read it there. ``timeout_s`` bounds that wait, the rendezvous and every
+    later collective of the group.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+    meeting = Path(meeting)
+    store = _serve(meeting, host, attempt, timeout_s) if rank == 0 else _reach(meeting, attempt, timeout_s)
+    return _join(store, rank, world_size, backend, timeout_s)
+
+
+def _serve(meeting: Path, host: str, attempt: int, timeout_s: float) -> dist.TCPStore:
+    store = host_store(host, 0, timeout_s)
+    fsio.write_json(meeting, {"host": host, "port": store.port, "attempt": attempt})
+    return store
+
+
+def _reach(meeting: Path, attempt: int, timeout_s: float) -> dist.TCPStore:
+    def written() -> dict | None:
+        point = fsio.read_json(meeting)
+        return point if point and point.get("attempt") == attempt else None
+
+    what = f"trainer rank 0 to write the process group's address of attempt {attempt} to {meeting}"
+    point = poll_until(written, timeout_s, what, max_sleep=MEETING_POLL_S)
+    return dist.TCPStore(point["host"], point["port"], None, False, timedelta(seconds=timeout_s))
+
+
+def _join(store: dist.Store, rank: int, world_size: int, backend: str | None, timeout_s: float) -> str:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(local_rank(rank))
-    init_file = Path(init_file).resolve()
-    init_file.parent.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+        torch.cuda.set_device(device_index(local_rank(rank), torch.cuda.device_count()))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return backend
 
 
@@ -75,7 +106,7 @@ def init_alone() -> None:
     """A one-rank process group of this process, unless it already joined one (for code that needs a group,
     such as FSDP, run outside a trainer: tests, tools)."""
     if not is_initialized():
-        init_distributed(0, 1, Path(tempfile.mkdtemp(prefix="areal-dist-")) / "init")
+        _join(dist.HashStore(), 0, 1, None, DEFAULT_TIMEOUT_S)
 
 
 def destroy() -> None:

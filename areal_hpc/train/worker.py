@@ -213,7 +213,8 @@ class TrainerHandlers:
     def weight_group_store(self, payload: dict) -> dict:
         """Serve the store of weight group `group_name`; `{"master_address", "master_port", "backend"}`."""
         self._only_rank0("weight_group_store")
-        port = self.weight_sender.open(payload["group_name"], payload["timeout_s"], payload.get("port", 0))
+        name, timeout_s, port = payload["group_name"], payload["timeout_s"], payload.get("port", 0)
+        port = self.weight_sender.open(name, timeout_s, port, self.host)  # listens at the address it replies
         backend = "nccl" if self.engines["actor"].device.type == "cuda" else "gloo"
         return {"master_address": self.host, "master_port": port, "backend": backend}
 
@@ -252,7 +253,7 @@ class TrainerHandlers:
 def serve_trainer(ctx: RunContext) -> None:
     """Join the trainer process group, then serve this rank's mailbox until the master says stop."""
     rank, world_size = ctx.index, ctx.n_tasks
-    dist.init_distributed(rank, world_size, ctx.run.dist_init)
+    dist.init_distributed(rank, world_size, ctx.run.dist_init, host=ctx.public_host, attempt=ctx.attempt)
     handlers = TrainerHandlers(ctx.cfg, rank, world_size, ctx.public_host)
     try:
         WorkerServer(ctx.run, ctx.name, handlers).serve()

@@ -8,6 +8,7 @@ publisher  the controller's end: `publish(version) -> stats` as weight_update_mo
 """
 
 from areal_hpc.weights.bucket import FieldError, metas_from_fields
+from areal_hpc.weights.group import host_store
 from areal_hpc.weights.publisher import BroadcastPublisher, DiskPublisher, WeightSyncError, make_publisher
 from areal_hpc.weights.receiver import FLATTENED, ReceiverGroups
 from areal_hpc.weights.sender import WeightSender, plan_payload
@@ -20,6 +21,7 @@ __all__ = [
     "ReceiverGroups",
     "WeightSender",
     "WeightSyncError",
+    "host_store",
     "make_publisher",
     "metas_from_fields",
     "plan_payload",

@@ -3,7 +3,7 @@ and every generation server rank, made the way SGLang makes it (``init_custom_pr
 trainer meets a real SGLang server and our built-in server meets AReaL's trainer.
 
 - A server rank joins through torch's ``rendezvous("tcp://ADDR:PORT", rank, world_size)``; trainer rank 0 serves
-  that TCPStore (``host_store``, any free port).
+  that TCPStore (``host_store``: on the address the servers are given alone, any free port).
 - Both sides wrap the store in ``PrefixStore(group_name)`` and make the group with torch's
   ``_new_process_group_helper`` (no global ranks), which adds its own prefixes (the group name, the device).
 - Ranks: 0 is the trainer; a server's TP ranks are ``rank_offset + tp_rank``; world = 1 + every TP rank of every
@@ -21,8 +21,10 @@ gloo's group is made when every rank has joined; NCCL's communicator only at the
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -65,12 +67,38 @@ class GroupTimeout(GroupError, TimeoutError):
     """A wait of the weight group ran out of time; the message names the group, the peers and the seconds."""
 
 
-def host_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
-    """The group's store, served by this process (trainer rank 0) on ``port`` (0: any free port).
+def host_store(host: str, port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A TCPStore served by this process on ``host`` alone (the address its peers are given; a name: its first
+    address), at ``port`` (0: any free port); ``store.port`` is the port.
 
-    ``store.port`` is the port it listens on, on every interface.
+    torch's server ignores ``host_name`` and listens on every interface (``::``); handed a socket already bound
+    (``master_listen_fd``, libuv backend), it listens on that socket only. A node name that resolves to loopback
+    here (Debian's /etc/hosts maps it to 127.0.1.1) is another address for its peers: then, with a warning, on
+    every interface.
     """
-    return dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    resolved = address[0]  # where the store's own client reaches it
+    if ipaddress.ip_address(address[0]).is_loopback and not _loopback_name(host):
+        why = "%s resolves to %s here, which its peers cannot reach: the store listens on every interface"
+        log.warning(why, host, address[0])
+        address = ("::", *address[1:]) if family == socket.AF_INET6 else ("0.0.0.0", address[1])
+    with socket.socket(family, kind, proto) as sock:  # closed if the bind fails
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own: a port in TIME_WAIT
+        sock.bind(address)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns it from here: it closes it when freed
+    return dist.TCPStore(
+        resolved, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+        master_listen_fd=fd, use_libuv=True,
+    )  # fmt: skip
+
+
+def _loopback_name(host: str) -> bool:
+    """`host` names this machine's loopback on purpose: localhost, or a loopback address."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def connect_store(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float):

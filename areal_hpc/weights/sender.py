@@ -77,11 +77,12 @@ class WeightSender:
         self.stager: Stager | None = None
         self.name, self.timeout_s = "", 300.0
 
-    def open(self, name: str, timeout_s: float, port: int = 0) -> int:
-        """Serve the store of group ``name`` (dropping any earlier group); returns its port."""
+    def open(self, name: str, timeout_s: float, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Serve the store of group ``name`` on ``host``, where the servers reach it (dropping any earlier
+        group); returns its port."""
         self.close()
         self.name, self.timeout_s = name, timeout_s
-        self.store = host_store(port, timeout_s)
+        self.store = host_store(host, port, timeout_s)
         return self.store.port
 
     def join(
