@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.cli import DOCS_PATH, main
-from areal_hpc.config import ConfigError, ExperimentConfig, dump_yaml, load_config, mfc_spec
+from areal_hpc.config import ConfigError, ExperimentConfig, dump_yaml, gen_backend, load_config, mfc_spec
 from areal_hpc.config.checks import validate, walk
 from areal_hpc.config.docs import render_markdown
 
@@ -41,6 +41,16 @@ def test_shipped_configs_load(path):
     )
     cfg = load_config([*base, path])
     assert cfg.experiment_name
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_no_config_meant_for_gpus_generates_with_the_builtin_server(path):
+    """builtin is the CPU and test default; a GPU cluster's recipe generates with SGLang (issue 28)."""
+    base = (
+        [] if path.name in STANDALONE else [ROOT / "configs" / BASES.get(path.name, "qwen3-1.7b-8gpu.yaml")]
+    )
+    cfg = load_config([*base, path])
+    assert (gen_backend(cfg) == "builtin") == path.name.startswith("toy-"), gen_backend(cfg)
 
 
 def test_files_merge_in_order_and_overrides_win(tmp_path):

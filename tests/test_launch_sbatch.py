@@ -35,9 +35,7 @@ CASES = {
     "toy-two-jobs": (("toy-cpu.yaml",), ("cluster.slurm.hetjob=false",)),
     "qwen3-1.7b-8gpu": (("qwen3-1.7b-8gpu.yaml",), ()),
     "qwen3-1.7b-32gpu": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
-    "qwen3-1.7b-8gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-megatron.yaml"), ()),
     "qwen2.5-32b-64gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"), ()),
-    "qwen3-1.7b-8gpu-sglang": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-sglang.yaml"), ()),
     "qwen3-1.7b-1gpu-colocated": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"), ()),
 }
 

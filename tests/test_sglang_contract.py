@@ -196,12 +196,11 @@ def test_every_body_the_client_sends_builds_the_request_sglang_takes_there():
 
 
 def test_every_sampling_parameter_we_send_is_one_sglang_takes_and_no_seed_is_relied_on():
-    sglang_cfg = load_config(
-        [REPO / "configs/qwen3-1.7b-8gpu.yaml"], ["allocation_mode=sglang.d4p1m1+d4p1m1"]
-    )
+    recipe = REPO / "configs/qwen3-1.7b-8gpu.yaml"  # SGLang's servers
+    sglang_cfg = load_config([recipe])
     sglang = group_params(sglang_cfg, "q1", 0)
     assert set(sglang) <= sampling_param_names(), sorted(set(sglang) - sampling_param_names())
     # SGLang ignores sampling_seed unless deterministic, and then gives all n answers the same one.
     assert "sampling_seed" not in sglang
-    builtin = group_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"]), "q1", 0)
+    builtin = group_params(load_config([recipe], ["allocation_mode=builtin.d4p1m1+d2p2m1"]), "q1", 0)
     assert builtin == {**sglang, "sampling_seed": builtin["sampling_seed"]}  # seeded where each answer is

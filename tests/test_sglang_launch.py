@@ -18,10 +18,11 @@ from areal_hpc.launch.plan import launch_plan
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
-LAYERS = ["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-sglang.yaml"]
 # golden name: the config's layers and overrides, and the GPUs each gen_server step sees (srun --gpus-per-node)
 CASES = {
-    "qwen3-1.7b-8gpu-sglang": (LAYERS, [], 4),
+    "qwen3-1.7b-8gpu": (["qwen3-1.7b-8gpu.yaml"], [], 4),
+    "qwen3-1.7b-32gpu": (["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"], [], 8),
+    "qwen2.5-32b-64gpu-megatron": (["qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"], [], 8),
     "qwen3-1.7b-1gpu-colocated": (["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"], [], 1),
     # servers of tensor size 16 on two nodes each, a task per node (not a shipped config)
     "sglang-tp16-two-nodes": (
@@ -109,7 +110,7 @@ def test_a_submission_without_sglang_installed_is_refused_before_anything_is_wri
 ):
     from areal_hpc.cli import main
 
-    args = [str(REPO / "configs" / f) for f in LAYERS] + [
+    args = [str(REPO / "configs" / "qwen3-1.7b-8gpu.yaml")] + [
         f"actor.path={tiny_build.model_dir}", f"dataset.path={tiny_build.train_path}", f"cluster.fileroot={tmp_path}",
     ]  # fmt: skip
     assert main(["submit", *args, "--dry-run"]) == 2  # this environment has no sglang (its kernels need CUDA)

@@ -49,7 +49,7 @@ echo "areal-hpc: job ${SLURM_JOB_ID} AREAL_ATTEMPT=$attempt (Slurm restart ${SLU
 
 names=()
 pids=()
-srun --het-group=0 --nodes=4 --ntasks=32 --ntasks-per-node=8 --cpus-per-task=8 --gpus-per-node=8 --kill-on-bad-exit=1 --output="$logs/gen_server%t.log" \
+srun --het-group=0 --nodes=4 --ntasks=8 --ntasks-per-node=2 --cpus-per-task=32 --gpus-per-node=8 --kill-on-bad-exit=1 --output="$logs/gen_server%t.log" \
     /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" gen_server &
 names+=(gen_server)
 pids+=($!)
