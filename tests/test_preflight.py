@@ -3,9 +3,16 @@ written or submitted: every problem at once, each naming its option and file:lin
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import re
+import shutil
+
 import pytest
 
 from areal_hpc.cli import main
+from areal_hpc.launch.storage import storage_problems
 from tests.helpers import REPO_ROOT
 
 TOY = str(REPO_ROOT / "configs" / "toy-cpu.yaml")
@@ -59,3 +66,46 @@ def test_a_directory_without_a_model_is_refused(toy, tmp_path, capsys):
 def test_a_new_run_cannot_resume(toy, capsys):
     assert main(["run", TOY, *toy.overrides("bad", 2, "recover_mode=resume")]) == 2
     assert "'recover_mode' is resume, but a new run has no recover checkpoint" in capsys.readouterr().err
+
+
+@pytest.fixture
+def huge_model(tmp_path, toy):
+    """The tiny model's directory, its config claiming some 400 trillion parameters (each MLP 10^12 wide)."""
+    model = tmp_path / "huge"
+    shutil.copytree(toy.model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 10**12}))
+    return model
+
+
+def test_a_file_root_too_small_for_the_runs_checkpoints_is_refused_before_anything_is_written(
+    toy, huge_model, capsys
+):
+    code = main(["run", TOY, *toy.overrides("huge", 2, f"actor.path={huge_model}", "recover_keep=1")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"'cluster.fileroot': {toy.fileroot} has [\d.]+ GB free, but the run needs about", err)
+    assert "(2 recover checkpoints): free some, lower recover_keep" in err
+    assert re.search(r"/dev/shm has [\d.]+ GB free, but the trainers' recover checkpoint buffers take", err)
+    assert sorted(p.name for p in toy.fileroot.iterdir()) == ["huge"]  # no run directory
+
+
+def test_only_a_run_on_this_machine_asks_for_its_dev_shm(toy, huge_model):
+    cfg = toy.config("huge", 2, f"actor.path={huge_model}")
+    assert any("/dev/shm" in p for p in storage_problems(cfg, here=True))
+    assert not any("/dev/shm" in p for p in storage_problems(cfg, here=False))  # the nodes' is not this one's
+    assert storage_problems(toy.config("tiny", 2), here=True) == []
+
+
+def test_a_file_root_that_cannot_rename_over_a_file_is_refused(toy, monkeypatch):
+    """Some FUSE and object-store mounts: every shared file of a run is written to a temporary name and renamed."""
+
+    def refuse(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    (problem,) = storage_problems(toy.config("no-rename", 2), here=False)
+    assert problem.startswith(
+        f"'cluster.fileroot': {toy.fileroot} cannot hold the run directory: writing and"
+    )
+    assert list(toy.fileroot.glob(".areal-probe-*")) == []  # the probe's files are gone

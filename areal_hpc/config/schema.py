@@ -217,9 +217,10 @@ class ExpCtrlConfig:
 class EvalConfig:
     enabled: bool = opt(
         False,
-        "Evaluate each checkpoint that exp_ctrl.save_freq_* saves, in a job of its own (`areal-hpc eval` on the "
-        "generation partition; a local process under `areal-hpc run`); its metrics join the statistics under "
-        "eval/<set>/ at the checkpoint's step. A failed evaluation never stops training.",
+        "Evaluate each checkpoint that exp_ctrl.save_freq_* saves and the last step's (every run saves it), in a "
+        "job of its own (`areal-hpc eval` on the generation partition; a local process under `areal-hpc run`); "
+        "its metrics join the statistics under eval/<set>/ at the checkpoint's step. A failed evaluation never "
+        "stops training.",
     )
     data_names: list[str] = opt(["math_500", "aime24", "amc23"], "Evaluation sets: <data_dir>/<name>.jsonl.")
     data_dir: str | None = opt(None, "Folder of the evaluation sets (JSONL with problem and answer).")

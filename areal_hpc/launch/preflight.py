@@ -1,8 +1,8 @@
 """The inputs a config names, checked before anything is written or submitted: the datasets, every line of
-them (file:line), the model and tokenizer directories, and the user's code it names (reward.fn,
-dataset.loader, actor.interface: each imports and takes the call it will get), and under `areal-hpc run` that
-this machine isolates model-written code. A bad input fails alike on every attempt, so it must be refused here,
-never found by a role, whose failures are retried.
+them (file:line), the model and tokenizer directories, the user's code it names (reward.fn, dataset.loader,
+actor.interface: each imports and takes the call it will get), what the run needs of its storage
+(launch/storage.py) and, under `areal-hpc run`, that this machine isolates model-written code. A bad input
+fails alike on every attempt, so it must be refused here, never found by a role, whose failures are retried.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from areal_hpc.config import (
 )
 from areal_hpc.data import DatasetFormatError, read_prompt_records
 from areal_hpc.eval import EvalDataError, load_eval_set
+from areal_hpc.launch.storage import storage_problems
 from areal_hpc.reward import IsolationError, Limits, Sandbox
 
 
@@ -35,6 +36,7 @@ def check_inputs(cfg: ExperimentConfig, new_run: bool = True, here: bool = False
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
     problems += eval_set_problems(cfg) + writer_problems(cfg) + sglang_problems(cfg)
     problems += isolation_problems(cfg, tasks) if here else []
+    problems += storage_problems(cfg, here) if new_run else []  # a resubmitted run's checkpoints are there
     if new_run and cfg.recover_mode == "resume":
         problems.append(
             "'recover_mode' is resume, but a new run has no recover checkpoint to resume: use auto, or "
