@@ -221,12 +221,15 @@ def test_a_time_limit_checkpoints_on_its_notice_and_the_job_requeues_itself(
     slurm_env, tmp_path, tiny_build, say
 ):
     # A 2-minute limit with USR2 70 s before it (slurmctld checks both about every 30 s): each attempt trains
-    # for some 25 s after a 25 s start (0.3-0.5 s a step), so 120 steps take two attempts or more. Without the notice the job would
-    # end TIMEOUT, which Slurm never requeues.
-    fault = Fault("time-limit", 0)
+    # for some 25-40 s after its start, at 0.15 s a step on an idle machine (0.3-0.5 s on a busy one), so 300
+    # steps take two attempts or more (120 once finished in one). Without the notice the job would end
+    # TIMEOUT, which Slurm never requeues.
+    fault, n_steps = Fault("time-limit", 0), 300
     limit = ("cluster.slurm.time=2", "cluster.slurm.signal_grace_secs=70", "exp_ctrl.ckpt_freq_steps=null")
     data = tiny_build.root / "data" / "easy"
-    run, (job_id,) = submit_toy(tmp_path, tiny_build.model_dir, data, fault.name, 120, *RECOVER[:3], *limit)
+    run, (job_id,) = submit_toy(
+        tmp_path, tiny_build.model_dir, data, fault.name, n_steps, *RECOVER[:3], *limit
+    )
     try:
         ended = wait_ended(slurm_env, job_id, run)
     finally:
@@ -235,7 +238,7 @@ def test_a_time_limit_checkpoints_on_its_notice_and_the_job_requeues_itself(
     assert "stopped on a preemption or time-limit notice" in job_log(run, "err")
     assert not (run.logs / "failed_attempts").exists()  # notices are no failures
     records = list(Ledger(run.ledger).records())
-    assert sorted(r.step for r in records) == list(range(1, 121))
+    assert sorted(r.step for r in records) == list(range(1, n_steps + 1))
     assert max(Counter((r.epoch, i) for r in records for i in r.ids).values()) == 1
     say(f"fault time-limit: survived in {next_attempt(run)} attempts")
 

@@ -225,11 +225,13 @@ def writer_process() -> mp.Process:
     return process
 
 
-def test_the_writer_process_outlives_sigterm_and_leaves_no_shared_memory_file(tmp_path):
-    """Slurm signals every process of the step; the checkpoint written on SIGTERM is the writer's to finish."""
+@pytest.mark.parametrize("notice", [signal.SIGTERM, signal.SIGUSR2], ids=["SIGTERM", "SIGUSR2"])
+def test_the_writer_process_outlives_slurms_signals_and_leaves_no_shared_memory_file(tmp_path, notice):
+    """Slurm signals every process of the step (a preemption's USR2 notice too); the checkpoint written on the
+    signal is the writer's to finish."""
     saver = AsyncSave()
     saver.save({"w": torch.ones(256, 256)}, tmp_path / "a")  # the writer is up once a save returns
-    os.kill(writer_process().pid, signal.SIGTERM)
+    os.kill(writer_process().pid, notice)
     assert saver.wait()
     time.sleep(0.2)
     saver.save({"w": torch.ones(256, 256)}, tmp_path / "b")

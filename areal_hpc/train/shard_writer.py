@@ -12,8 +12,8 @@ interpreter and as many threads as it likes.
 - ``writer_main``: the writer's loop. It maps the regions it is sent, and for each save writes the items the
   trainer planned with DCP's safetensors writer (offsets in the headers: DCP's reader reshards from them)
   and hashes the files. No process group: the trainer planned which rank writes what.
-- SIGINT and SIGTERM are ignored: Slurm and Ctrl-C signal every process of the step, and the trainer's own
-  checkpoint on SIGTERM is written by this process. It ends when the trainer says stop or goes away.
+- SIGINT, SIGTERM and SIGUSR2 are ignored: Slurm (a preemption's or a time limit's USR2 notice too) and Ctrl-C
+  signal every process of the step, and the trainer's own checkpoint on a notice is written by this process. It ends when the trainer says stop or goes away.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def writer_main(conn: Connection) -> None:
     """Serve the trainer's requests on `conn` until it says stop or closes it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # its default action ends the process (exit code -12)
     torch.set_num_threads(1)
     # dcp.save without a process group says it assumes one process: it is told so (no_dist) on purpose
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
