@@ -2,7 +2,7 @@
 
 rundir     RunDir: every path of a run directory; create_run_dir, run_dir_of, default_trial_name
 context    RunContext: what a role process knows of its run (config, allocation, its task)
-fsio       atomic JSON writes (tmp + rename), ESTALE-retrying reads, safe names
+fsio       atomic writes, JSON or bytes (tmp + rename), ESTALE-retrying reads, safe names
 poll       adaptive polling and ControlTimeout, the base of every timeout here
 manifest   the manifest (sizes, sha256) that marks a multi-file folder complete, and its check
 mailbox    Mailbox (caller) and Inbox (worker): request/reply files per worker

@@ -2,8 +2,9 @@
 
 rewards  TaskRewards: the task's scorer for each answer (math and stem: the math verifier; code: its tests)
 code     CodeVerifier: an answer's last Python block against every test case, the original's rule
-sandbox  Sandbox: a program in a fresh directory under limits, isolated from the host where the OS allows
-jail     the inside of a sandbox (stdlib only; run by `unshare`)
+sandbox  Sandbox: a program as one process under limits that are its own, isolated from the host (or refused:
+         reward.code_isolation)
+jail     the inside of a sandbox (stdlib only; run by `unshare`) and its seccomp filter
 """
 
 from areal_hpc.reward.code import CodeVerifier, extract_code, outputs_match
