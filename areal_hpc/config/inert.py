@@ -14,12 +14,15 @@ than its idle value (its default; null for the checkpoint frequencies) where it 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from areal_hpc import alloc
+from areal_hpc.config.checks import walk
 from areal_hpc.config.schema import ExperimentConfig
 
 logger = logging.getLogger(__name__)
@@ -114,8 +117,8 @@ def settle(cfg: ExperimentConfig, set_at: dict[str, tuple[int, str]]) -> tuple[E
         if not rule.idle(cfg):
             continue
         mode_layer = max((set_at[k][0] for k in rule.mode if k in set_at), default=-1)
-        for key, idle in _options(cfg, rule.options):
-            if _get(cfg, key) == idle:
+        for key, idle in _options(rule.options):
+            if attrgetter(key)(cfg) == idle:
                 continue
             layer, source = set_at.get(key, (-1, ""))
             if layer >= mode_layer and layer >= 0:
@@ -130,31 +133,18 @@ def settle(cfg: ExperimentConfig, set_at: dict[str, tuple[int, str]]) -> tuple[E
     return cfg, problems
 
 
-def _options(cfg: ExperimentConfig, names: tuple[str, ...]) -> list[tuple[str, Any]]:
+def _options(names: tuple[str, ...]) -> list[tuple[str, Any]]:
     """(key, idle value) of every option `names` cover."""
-    defaults = _leaves(ExperimentConfig())
-    out = []
-    for key in defaults:
-        if any(key == n or (n.endswith(".") and key.startswith(n)) for n in names):
-            out.append((key, IDLE.get(key, defaults[key])))
-    return out
+    return [
+        (key, IDLE.get(key, default))
+        for key, default in _defaults().items()
+        if any(key == n or (n.endswith(".") and key.startswith(n)) for n in names)
+    ]
 
 
-def _leaves(cfg: Any, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            out |= _leaves(value, f"{prefix}{f.name}.")
-        else:
-            out[prefix + f.name] = value
-    return out
-
-
-def _get(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return {key: value for key, _, value in walk(ExperimentConfig())}
 
 
 def _replace(cfg: Any, key: str, value: Any) -> Any:

@@ -41,10 +41,8 @@ logger = logging.getLogger(__name__)
 
 JAIL = Path(jail.__file__)
 SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin", "/etc/ld.so.cache", "/etc/alternatives")
-FIRST_UID, SLOTS = (
-    61000,
-    256,
-)  # as root, concurrent runs get uids FIRST_UID, FIRST_UID + 1, ... (no real user's)
+# As root, concurrent runs get uids FIRST_UID, FIRST_UID + 1, ... (no real user's), SLOTS of them.
+FIRST_UID, SLOTS = 61000, 256
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
 ISOLATION = ("required", "best_effort")
 # Forks once: "one process" when the seccomp filter refused it.
@@ -129,6 +127,7 @@ class Sandbox:
         self.python = python or os.path.realpath(sys._base_executable)  # the interpreter, not a venv's
         self.workroot = workroot or tempfile.gettempdir()
         self.user_namespace = not own_uids_available() if user_namespace is None else user_namespace
+        self._unshare_path = shutil.which("unshare")  # looked up on this PATH, not the programs'
         self._slots = list(range(SLOTS))
         self._lock = threading.Lock()
         self.protections = self._probe()
@@ -164,9 +163,8 @@ class Sandbox:
                 "disk_mb": self.limits.disk_mb, "limits": self._rlimits(),
             }  # fmt: skip
             (work / "root").mkdir()
-            (work / "spec").write_bytes(
-                marshal.dumps(spec)
-            )  # what jail.py reads: a node-local file of this run
+            # What jail.py reads: a node-local file of this run.
+            (work / "spec").write_bytes(marshal.dumps(spec))
             cmd = [*self._unshare(), self.python, "-I", "-S", "-B", str(JAIL), str(work / "spec")]
             cwd, env, preexec = None, {"PATH": ENV["PATH"]}, None
         else:  # best effort: a folder of the host's temporary directory, whose total size nothing caps
@@ -208,8 +206,10 @@ class Sandbox:
             "open_files": lim.open_files,
         }
 
-    def _limit_fallback(self) -> None:  # preexec_fn without namespaces: no thread limit (it would count this
-        limits = self._rlimits()  # user's every process), and one process where seccomp allows
+    def _limit_fallback(self) -> None:
+        """preexec_fn without namespaces: one process where seccomp allows, and no thread limit (it would count
+        every process of this user)."""
+        limits = self._rlimits()
         del limits["threads"]
         jail.set_limits(limits)
         jail.refuse_new_processes()
@@ -234,16 +234,13 @@ class Sandbox:
         """Try the namespaces and the seccomp filter once, with a program that forks."""
         own_uid = not self.user_namespace
         why = "util-linux's unshare is not installed"
-        self._unshare_path = shutil.which("unshare")  # looked up on this PATH, not the programs'
         if self._unshare_path is not None:
             self.protections = Protections(namespaces=True, own_uid=own_uid, one_process=True)
             probe = self.run(PROBE)
             if probe.returncode == 0 and probe.stdout in ("one process\n", "forked\n"):
                 return self._layers(Protections(True, own_uid, probe.stdout == "one process\n"))
-            why = (
-                "unshare failed: "
-                + (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
-            )
+            last = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+            why = f"unshare failed: {last}"
         self.protections = Protections(namespaces=False, own_uid=False, one_process=True)
         fallback = self.run(PROBE)
         return self._layers(Protections(False, False, fallback.stdout == "one process\n", why_not=why))
