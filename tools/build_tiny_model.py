@@ -13,6 +13,8 @@ Output layout (``--out``, default ``.cache/tiny``)::
     OUT/data/easy/{train,test}.jsonl  every single-digit question, split (the CPU demo's data)
     OUT/data/code/{train,test}.jsonl  toy code tasks that all ask for a sum (tools/make_toy_code_data.py;
                                       configs/toy-code.yaml)
+    OUT/data/tools/{train,test}.jsonl products to compute with a calculator tool, with the tool-call transcript
+                                      a warm-up learns (tools/make_toy_tool_data.py)
     OUT/MANIFEST.json                 seed, build parameters, builder fingerprint (hash of this code and
                                       the library versions), size and sha256 of every file above
 
@@ -53,6 +55,7 @@ if __package__ in (None, ""):  # run as a script: make the `tools` namespace imp
 
 from tools.make_toy_code_data import write_code_data  # noqa: E402
 from tools.make_toy_data import make_easy_splits, make_toy_splits, write_jsonl  # noqa: E402
+from tools.make_toy_tool_data import write_tool_data  # noqa: E402
 
 MANIFEST = "MANIFEST.json"
 
@@ -66,12 +69,48 @@ QWEN2_SPLIT_PATTERN = (
 )
 
 # Qwen's ChatML template without a default system prompt; the generation prompt opens the assistant turn.
+# Tool use renders as Qwen2.5's and Qwen3's templates do: an assistant's calls follow its content, each a
+# <tool_call> block of JSON (arguments given as a string are printed as they are); tool results come back in
+# one user turn, a <tool_response> block each. Unlike Qwen's, the system header that `tools` adds only NAMES
+# the tools: Qwen prints every JSON schema and a paragraph of instructions there, hundreds of tokens of text
+# the 1,024-token BPE never saw, paid on every step of a CPU toy by a model that learns the calls from its
+# warm-up transcripts anyway. Without tools and tool calls, a conversation renders byte for byte as the plain
+# ChatML template did (the pinned stats depend on it).
+# Unformatted: the formatter would requote the lines that hold JSON's double quotes.
+# fmt: off
 CHAT_TEMPLATE = (
+    "{% set header = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if header %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
+    "{{ 'Tools: ' }}"
+    "{% for tool in tools %}"
+    "{{ (', ' if not loop.first else '') + (tool.function.name if tool.function is defined else tool.name) }}"
+    "{% endfor %}"
+    "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if loop.first and header %}"  # already in the tools header
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{% for call in message.tool_calls %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    "{{ ('\\n' if message.content or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + fn.name }}"
+    "{{ '\", \"arguments\": ' + (fn.arguments if fn.arguments is string else fn.arguments | tojson) }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# fmt: on
 
 DEFAULT_PARAMS: dict = {
     "vocab_size": 1024,
@@ -86,6 +125,8 @@ DEFAULT_PARAMS: dict = {
     "n_easy_test": 50,
     "n_code_train": 256,
     "n_code_test": 32,
+    "n_tool_train": 1000,
+    "n_tool_test": 64,
 }
 
 
@@ -263,7 +304,7 @@ def save_tiny_model(
 def builder_fingerprint() -> str:
     """Hash of the code and library versions that make a build: change either and old builds are redone."""
     digest = hashlib.sha256()
-    for name in ("build_tiny_model.py", "make_toy_data.py", "make_toy_code_data.py"):
+    for name in ("build_tiny_model.py", "make_toy_data.py", "make_toy_code_data.py", "make_toy_tool_data.py"):
         digest.update((Path(__file__).resolve().parent / name).read_bytes())
     for package in ("tokenizers", "torch", "transformers"):
         digest.update(f"{package}=={importlib.metadata.version(package)};".encode())
@@ -312,6 +353,8 @@ def _build_into(root: Path, seed: int, params: dict) -> None:
     write_jsonl(root / "data" / "easy" / "train.jsonl", easy_train)
     write_jsonl(root / "data" / "easy" / "test.jsonl", easy_test)
     write_code_data(root / "data" / "code", params["n_code_train"], params["n_code_test"], seed, ops=("+",))
+    # Not in the tokenizer corpus below: the tokenizer (and so the pinned stats) must not depend on them.
+    write_tool_data(root / "data" / "tools", params["n_tool_train"], params["n_tool_test"], seed)
 
     model_dir = root / "model"
     model_dir.mkdir(parents=True)
