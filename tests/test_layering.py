@@ -21,6 +21,7 @@ LAYERS = (
     ("control",),
     ("algo", "data", "monitor"),
     ("weights", "recover", "reward"),
+    ("agent",),
     ("gen", "train"),
     ("eval",),
     ("master",),

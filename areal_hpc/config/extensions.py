@@ -3,6 +3,8 @@
     reward.fn        scores every answer in place of the task's scorer      entry-point group areal_hpc.reward_fns
     dataset.loader   reads dataset.path and valid_path into records          'jsonl'; group areal_hpc.dataset_loaders
     actor.interface  what a trainer rank does on the actor's calls           'ppo_actor', 'sft'; group areal_hpc.interfaces
+    rollout.workflow what one episode is                                     'single_turn', 'tool_loop'; group areal_hpc.workflows
+    rollout.tools    a tool the model may call in tool_loop                  'calculator', 'python'; group areal_hpc.tools
 
 A name without ':' is a built-in or an entry point of an installed package, which registers it in its pyproject:
 [project.entry-points."areal_hpc.reward_fns"] my-score = "my_pkg.rewards:score". `spec_problem` checks the form
@@ -27,11 +29,21 @@ BUILTIN: dict[str, dict[str, str]] = {
         "ppo_actor": "areal_hpc.train.interfaces:PPOActor",
         "sft": "areal_hpc.train.interfaces:SFTActor",
     },
+    "rollout.workflow": {
+        "single_turn": "areal_hpc.agent.workflows:single_turn",
+        "tool_loop": "areal_hpc.agent.workflows:tool_loop",
+    },
+    "rollout.tools": {
+        "calculator": "areal_hpc.agent.tools:CALCULATOR",
+        "python": "areal_hpc.agent.tools:PYTHON",
+    },
 }
 GROUPS = {
     "reward.fn": "areal_hpc.reward_fns",
     "dataset.loader": "areal_hpc.dataset_loaders",
     "actor.interface": "areal_hpc.interfaces",
+    "rollout.workflow": "areal_hpc.workflows",
+    "rollout.tools": "areal_hpc.tools",
 }
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
