@@ -73,6 +73,16 @@ def test_gather_assembles_samples_from_several_files(tmp_path):
     assert out["proximal_logprobs"].tolist() == [4.0, 5.0, 6.0, 0.0, 1.0, 2.0, 3.0]
 
 
+def test_gather_numbers_the_groups_of_several_files_apart(tmp_path):
+    # Two rollout-store files of one group each (group 0 in both), and a step file of two groups.
+    one = write_batch(tmp_path / "a.h5", {**toy_batch(), "group_ids": np.array([0, 0, 0])})
+    two = write_batch(tmp_path / "b.h5", {**toy_batch(), "group_ids": np.array([0, 0, 0])})
+    step = write_batch(tmp_path / "c.h5", {**toy_batch(), "group_ids": np.array([0, 1, 1])})
+    refs = [(str(one), 0), (str(two), 0), (str(one), 1), (str(step), 0), (str(step), 2), (str(step), 1)]
+    out = gather({"packed_input_ids": refs, "group_ids": refs})
+    assert out["group_ids"].tolist() == [0, 1, 0, 2, 3, 3]
+
+
 def test_gather_refuses_misaligned_tokens(tmp_path):
     gen = write_batch(tmp_path / "gen.h5", toy_batch())
     other = write_batch(tmp_path / "other.h5", {"cu_seqlens": np.array([0, 3, 5]), "x": np.zeros(5)})

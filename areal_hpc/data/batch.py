@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 
 CU = "cu_seqlens"
+GROUPS = "group_ids"  # per sequence: its prompt's group, numbered within its file
 
 
 class BatchError(ValueError):
@@ -114,6 +115,7 @@ def gather(refs: Mapping[str, Sequence[tuple[str, int]]]) -> dict[str, np.ndarra
     """A packed batch assembled from several files: `refs[key][i]` = (file, sequence index) of sample i.
 
     Reads each file once per key; per-token arrays of one sample must have the same length in every file.
+    Group ids are renumbered over the batch (a file numbers its own groups).
     """
     n_samples = {len(v) for v in refs.values()}
     if len(n_samples) > 1:
@@ -141,6 +143,10 @@ def gather(refs: Mapping[str, Sequence[tuple[str, int]]]) -> dict[str, np.ndarra
                         )
                     lengths[i] = length
         out[key] = np.concatenate(pieces)
+        if key == GROUPS:  # a file's group ids are its own: group 0 of two files are two groups
+            found: dict[tuple[str, int], int] = {}
+            pairs = zip((path for path, _ in key_refs), out[key].tolist(), strict=True)
+            out[key] = np.asarray([found.setdefault(pair, len(found)) for pair in pairs], dtype=np.int64)
     if lengths is None:
         raise BatchError(f"gather needs at least one per-token key, got {sorted(refs)}")
     out[CU] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

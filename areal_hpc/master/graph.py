@@ -7,12 +7,15 @@ actor_inf exists only with recompute_logprob or use_decoupled_loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from areal_hpc.config import ExperimentConfig
 
 # Keys a step's prompts bring before any call runs.
 DATASET_KEYS = ("packed_prompts", "task_ids")
+# Keys the rollout writes for some episodes only (the weight version of each sampled token: multi-turn episodes);
+# a call reads them where every sample of its batch has them and does not wait for them.
+OPTIONAL_KEYS = ("token_versions",)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ _TRAIN_INPUTS = (
     "proximal_logprobs",
     "version_start",
     "version_end",
+    "token_versions",
 )
 
 ALL_MFCS = (
@@ -55,6 +59,7 @@ ALL_MFCS = (
             "group_ids",
             "version_start",
             "version_end",
+            "token_versions",
         ),
     ),
     MFC(
@@ -73,6 +78,11 @@ ALL_MFCS = (
 ROLLOUT_MFCS = ("actor_gen", "rew_inf")  # run by the rollout side, not by trainer ranks
 # The one call of a supervised warm-up (experiment_type: sft).
 SFT_TRAIN = MFC("sft_train", "actor", "train_step", ("packed_input_ids", "prompt_mask"), ())
+
+
+def awaited(mfc: MFC) -> MFC:
+    """The call as the buffer sees it: only the inputs it must wait for, without the optional ones."""
+    return replace(mfc, inputs=tuple(k for k in mfc.inputs if k not in OPTIONAL_KEYS))
 
 
 def kept_mfcs(cfg: ExperimentConfig) -> list[str]:

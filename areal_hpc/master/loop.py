@@ -16,8 +16,9 @@ import numpy as np
 
 from areal_hpc.config import ExperimentConfig, allocation_of, mfc_spec
 from areal_hpc.control import RunDir, fsio
-from areal_hpc.data import PromptDataset, read_batch, read_keys
+from areal_hpc.data import CU, PromptDataset, read_batch, read_keys
 from areal_hpc.eval import make_executor
+from areal_hpc.gen import Episodes, is_single_turn, make_services
 from areal_hpc.master.buffer import Buffer, SampleMeta
 from areal_hpc.master.checkpoint import Checkpointer
 from areal_hpc.master.checkpoint_evals import CheckpointEvals
@@ -25,7 +26,7 @@ from areal_hpc.master.counter import make_counter
 from areal_hpc.master.dispatch import refs_payload, split_by_rank
 from areal_hpc.master.evaluate import HeldoutEval
 from areal_hpc.master.freq import FrequencyControl
-from areal_hpc.master.graph import MFC
+from areal_hpc.master.graph import MFC, awaited
 from areal_hpc.master.guard import StepGuard
 from areal_hpc.master.sources import SftBatches, StepBatch, StoreRollouts, SyncRollouts
 from areal_hpc.master.turns import Turns
@@ -37,18 +38,30 @@ logger = logging.getLogger("master")
 REWARD = "ppo_actor/task_reward/avg"
 
 
-def sample_metas(path: str, groups: list[str], group_size: int, lengths: list[int], keys, birth: float):
-    """Buffer entries of one batch file: sample i of group g is row g * group_size + i."""
-    return [
-        SampleMeta(
-            sample_id=f"{groups[row // group_size]}/{row % group_size}",
-            group=groups[row // group_size],
-            seqlen=lengths[row],
-            birth_time=birth,
-            keys={k: (path, row) for k in keys},
-        )
-        for row in range(len(lengths))
-    ]
+def sample_metas(path: str, groups: list[str], group_ids, lengths: list[int], keys, birth: float):
+    """Buffer entries of one batch file: row r is in group groups[group_ids[r]], and is sample i of that group
+    when i rows of the group come before it (a group has a row per answer, or per model turn of each answer)."""
+    if len(group_ids) != len(lengths):
+        raise ValueError(f"{path}: {len(group_ids)} group_ids for {len(lengths)} rows")
+    outside = sorted({int(g) for g in group_ids if not 0 <= g < len(groups)})
+    if outside:
+        raise ValueError(f"{path}: group_ids {outside[:8]} are none of its {len(groups)} groups")
+    seen = [0] * len(groups)
+    metas = []
+    for row, g in enumerate(map(int, group_ids)):
+        sample_id = f"{groups[g]}/{seen[g]}"
+        seen[g] += 1
+        metas.append(SampleMeta(sample_id, groups[g], lengths[row], birth, {k: (path, row) for k in keys}))
+    return metas
+
+
+def file_rows(path: str) -> tuple[np.ndarray, list[int], list[str]]:
+    """(group index of each row, length of each row, keys) of a batch file. A file without `group_ids` (the
+    supervised warm-up's) has one row per group."""
+    keys = [k for k in read_keys(path) if k != CU]
+    arrays = read_batch(path, keys=[k for k in ("group_ids",) if k in keys])
+    lengths = np.diff(arrays[CU]).tolist()
+    return arrays.get("group_ids", np.arange(len(lengths))), lengths, keys
 
 
 def frequency(ctrl, what: str) -> FrequencyControl:
@@ -80,8 +93,9 @@ class Master:
         elif cfg.async_rl:
             self.source = StoreRollouts(cfg, run, self.guard)
         else:
-            self.source = SyncRollouts(cfg, run, train, clients, rewards)
-        self.buffer = Buffer(graph)
+            episodes = None if is_single_turn(cfg) else Episodes(cfg, make_services(cfg, tokenizer, rewards))
+            self.source = SyncRollouts(cfg, run, train, clients, rewards, episodes)
+        self.buffer = Buffer([awaited(mfc) for mfc in graph])  # no call waits for an optional key
         self.counter = make_counter(cfg, len(train))
         self.stats = StatsLog(run.stats)
         self.evaluate = HeldoutEval(clients, heldout, rewards, cfg.ppo.gen.max_new_tokens, self.stats)
@@ -124,9 +138,9 @@ class Master:
         start, step = time.monotonic(), self.counter.global_step
         batch = self.source.next(step)
         stats = dict(batch.stats) | self.turns.to_trainers()  # colocated: the servers free the shared GPUs
-        self.add(batch, birth=start)
+        n_samples = self.add(batch, birth=start)
         for mfc in self.graph:
-            stats |= self.run_mfc(mfc, step, batch.n_samples)
+            stats |= self.run_mfc(mfc, step, n_samples)
         if self.rl:
             stats |= self.publish()
         self.source.consumed(step, batch)
@@ -158,12 +172,15 @@ class Master:
 
     # --- one step's parts -------------------------------------------------------------------------------------
 
-    def add(self, batch: StepBatch, birth: float) -> None:
-        """Buffer entries of the step's batch files."""
+    def add(self, batch: StepBatch, birth: float) -> int:
+        """Buffer entries of the step's batch files; how many samples they hold (a group's rows vary in number
+        when the rollout exports a sample per model turn)."""
+        n_samples = 0
         for path, groups in batch.files:
-            lengths = np.diff(read_batch(path, keys=[])["cu_seqlens"]).tolist()
-            keys = [k for k in read_keys(path) if k != "cu_seqlens"]
-            self.buffer.add(sample_metas(path, groups, batch.group_size, lengths, keys, birth))
+            metas = sample_metas(path, groups, *file_rows(path), birth=birth)
+            self.buffer.add(metas)
+            n_samples += len(metas)
+        return n_samples
 
     def run_mfc(self, mfc: MFC, step: int, n_samples: int) -> dict[str, float]:
         """One call on every rank: its data-parallel part in, outputs amended into the buffer."""
@@ -177,7 +194,8 @@ class Master:
         # outputs.
         layout = self.layouts[mfc.name]
         parts = split_by_rank(samples, layout.data)
-        keys = [k for k in mfc.inputs if k in samples[0].keys]
+        # A key some samples lack is not sent: a dataset key or an optional one (graph.OPTIONAL_KEYS).
+        keys = [k for k in mfc.inputs if all(k in s.keys for s in samples)]
         payloads, written = [], []
         for rank in range(self.trainers.n_ranks):
             dp, tp, pp = layout.coords(rank)

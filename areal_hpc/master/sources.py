@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.agent import ChatRenderer, load_tools
 from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import Ledger, RunDir, dead_workers
 from areal_hpc.data import (
@@ -29,7 +31,7 @@ from areal_hpc.data import (
     sft_arrays,
     write_batch,
 )
-from areal_hpc.gen import rollout_step
+from areal_hpc.gen import EPISODE_COUNTS, episode_stats, episodes_step, rollout_step
 from areal_hpc.master.guard import StepGuard
 
 STORE_POLL_SECS = 0.05
@@ -38,16 +40,16 @@ ROLLOUT_DEAD_SECS = 60.0
 
 @dataclass
 class StepBatch:
-    """One step's samples: batch files whose rows are `group_size` answers of each group they name."""
+    """One step's samples: batch files and the groups each names. A file's `group_ids` say which of its groups
+    each row is in (rows of a group vary in number: a row per answer, or per model turn of each answer); the
+    master counts the rows when it buffers them."""
 
     files: list[tuple[str, list[str]]]  # (path, groups)
-    group_size: int
     used: list[tuple[str, int]]  # (query id, the prompt's epoch) of every group
     stats: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def n_samples(self) -> int:
-        return sum(len(groups) for _, groups in self.files) * self.group_size
+    dropped: list[tuple[str, int]] = field(
+        default_factory=list
+    )  # groups given up (their episodes' time ran out)
 
 
 def record_used(ledger: Ledger, step: int, used: list[tuple[str, int]], dropped: bool = False) -> None:
@@ -73,6 +75,7 @@ class PromptSteps:
     def consumed(self, step: int, batch: StepBatch) -> None:
         """Record the step's prompts, then drop its data (the original's clear_data_cache)."""
         record_used(self.ledger, step + 1, batch.used)
+        record_used(self.ledger, step + 1, batch.dropped, dropped=True)
         shutil.rmtree(self.run.step_data(step), ignore_errors=True)
         self.mark = self.sampler.state_dict()
 
@@ -85,30 +88,49 @@ class PromptSteps:
 
 
 class SyncRollouts(PromptSteps):
-    def __init__(self, cfg: ExperimentConfig, run: RunDir, dataset: PromptDataset, clients, rewards):
+    def __init__(
+        self, cfg: ExperimentConfig, run: RunDir, dataset: PromptDataset, clients, rewards, episodes=None
+    ):
         super().__init__(cfg, run, dataset)
-        self.clients, self.rewards = clients, rewards
+        self.clients, self.rewards, self.episodes = (
+            clients,
+            rewards,
+            episodes,
+        )  # episodes: a multi-turn workflow's
 
     def next(self, step: int) -> StepBatch:
         """Generate and score the step's groups."""
         prompts, epoch = self.prompts()
         path = self.run.step_data(step) / "rollout.h5"
-        path, stats = rollout_step(self.clients, self.rewards, prompts, self.cfg, path, epoch)
-        ids = [p.query_id for p in prompts]
-        return StepBatch([(str(path), ids)], self.cfg.group_size, [(i, epoch) for i in ids], stats)
+        if self.episodes is None:
+            path, stats = rollout_step(self.clients, self.rewards, prompts, self.cfg, path, epoch)
+            ids = [p.query_id for p in prompts]
+            return StepBatch([(str(path), ids)], [(i, epoch) for i in ids], stats)
+        path, stats, ids, dropped = episodes_step(self.clients, self.episodes, prompts, self.cfg, path, epoch)
+        if path is None:
+            raise RuntimeError(
+                f"step {step + 1}: every group ran past rollout.episode_timeout_secs="
+                f"{self.cfg.rollout.episode_timeout_secs:g}; raise it, or lower ppo.gen.max_new_tokens"
+            )
+        return StepBatch([(str(path), ids)], [(i, epoch) for i in ids], stats, [(i, epoch) for i in dropped])
 
 
 class SftBatches(PromptSteps):
     def __init__(self, cfg: ExperimentConfig, run: RunDir, dataset: PromptDataset, tokenizer):
         super().__init__(cfg, run, dataset)
         self.tokenizer = tokenizer
+        # Worked conversations (a record's messages) render with the tools the RL run will offer.
+        tools = [tool.schema() for tool in load_tools(cfg.rollout.tools)]
+        self.renderer = ChatRenderer(tokenizer, tools) if any(p.messages for p in dataset.samples) else None
 
     def next(self, step: int) -> StepBatch:
-        """The step's prompts followed by their first reference solution."""
+        """The step's prompts followed by their first reference solution (or their worked conversation)."""
         prompts, epoch = self.prompts()
-        path = write_batch(self.run.step_data(step) / "sft.h5", sft_arrays(prompts, self.tokenizer))
+        transcript = self.renderer.transcript if self.renderer else None
+        arrays = sft_arrays(prompts, self.tokenizer, transcript)
+        path = write_batch(self.run.step_data(step) / "sft.h5", arrays)
         ids = [p.query_id for p in prompts]
-        return StepBatch([(str(path), ids)], 1, [(i, epoch) for i in ids])
+        return StepBatch([(str(path), ids)], [(i, epoch) for i in ids])  # no group_ids: a row a prompt
 
 
 class StoreRollouts:
@@ -117,16 +139,19 @@ class StoreRollouts:
     def __init__(self, cfg: ExperimentConfig, run: RunDir, guard: StepGuard):
         self.cfg, self.run, self.guard = cfg, run, guard
         self.store, self.ledger = RolloutStore(run.rollouts), Ledger(run.ledger)
+        self.dropped: list[tuple[Path, dict]] = []  # the drop markers the current step records
 
     def next(self, step: int) -> StepBatch:
         start = time.monotonic()
         paths = self.wait(self.cfg.dataset.train_bs_n_seqs)
         waited = time.monotonic() - start
         attrs = [read_attrs(path) for path in paths]
-        stats = rollout_stats(paths, attrs) | {"timeperf/wait_rollouts": waited}
+        self.dropped = self.store.dropped()  # recorded with this step: those dropped meanwhile
+        stats = rollout_stats(paths, attrs, [d for _, d in self.dropped]) | {"timeperf/wait_rollouts": waited}
         # A prompt may come back in a later epoch: the file's name names the group.
         files = [(str(path), [path.stem]) for path in paths]
-        return StepBatch(files, self.cfg.group_size, [(a["query_id"], a["epoch"]) for a in attrs], stats)
+        dropped = [(d["query_id"], d["epoch"]) for _, d in self.dropped]
+        return StepBatch(files, [(a["query_id"], a["epoch"]) for a in attrs], stats, dropped)
 
     def wait(self, n: int) -> list[Path]:
         """The n oldest groups of the store, once there; fails when the rollout role stopped beating."""
@@ -138,11 +163,10 @@ class StoreRollouts:
         return paths
 
     def consumed(self, step: int, batch: StepBatch) -> None:
-        """Record the groups trained on and those the success-rate filter dropped meanwhile; remove them."""
+        """Record the groups trained on and those dropped meanwhile (success-rate filter, time); remove them."""
         record_used(self.ledger, step + 1, batch.used)
-        dropped = self.store.dropped()
-        record_used(self.ledger, step + 1, [(d["query_id"], d["epoch"]) for _, d in dropped], dropped=True)
-        self.store.remove([path for path, _ in dropped])
+        record_used(self.ledger, step + 1, batch.dropped, dropped=True)
+        self.store.remove([path for path, _ in self.dropped])
         self.store.remove([Path(path) for path, _ in batch.files])
         shutil.rmtree(self.run.step_data(step), ignore_errors=True)
 
@@ -153,8 +177,9 @@ class StoreRollouts:
         pass
 
 
-def rollout_stats(paths: list[Path], attrs: list[dict]) -> dict[str, float]:
-    """Statistics of the groups a step trains on, as the synchronous rollout reports them."""
+def rollout_stats(paths: list[Path], attrs: list[dict], dropped: list[dict] = ()) -> dict[str, float]:
+    """Statistics of the groups a step trains on, as the synchronous rollout reports them (and those of their
+    episodes when a multi-turn workflow made them; `dropped`: the drop markers the step records)."""
     answer_lens, no_eos = [], []
     for path in paths:
         arrays = read_batch(path, keys=["prompt_mask", "seq_no_eos_mask"])
@@ -163,9 +188,14 @@ def rollout_stats(paths: list[Path], attrs: list[dict]) -> dict[str, float]:
             int((~arrays["prompt_mask"][a:b]).sum()) for a, b in zip(cu[:-1], cu[1:], strict=True)
         ]
         no_eos += arrays["seq_no_eos_mask"].tolist()
-    return {
+    stats = {
         "rollout/answer_len/avg": float(np.mean(answer_lens)),
         "rollout/no_eos_ratio": float(np.mean(no_eos)),
         "rollout/interrupted_answers": float(sum(a["n_interrupted"] for a in attrs)),
         "rollout/gen_secs/avg": float(np.mean([a["gen_secs"] for a in attrs])),
     }
+    if any("episodes" in a for a in attrs):
+        counts = Counter({name: sum(a.get(f"episode_{name}", 0) for a in attrs) for name in EPISODE_COUNTS})
+        timeouts = sum(d.get("reason") == "timeout" for d in dropped)
+        stats |= episode_stats(counts, sum(a.get("episodes", 0) for a in attrs), timeouts)
+    return stats

@@ -132,6 +132,19 @@ def _sequence_stats(tracker: StatsTracker, batch: Batch, global_step: int | None
     tracker.total("n_seqs", len(cu) - 1)
 
 
+def _token_stats(tracker: StatsTracker, batch: Batch, loss_mask: np.ndarray, global_step: int | None) -> None:
+    """Per-token off-policyness of the trained tokens: a multi-turn episode spans weight updates, so its
+    sequence-level head/tail off-policyness says little about the turns between."""
+    if global_step is None or "token_versions" not in batch:
+        return
+    versions = np.asarray(batch["token_versions"], dtype=np.int64)
+    unversioned = int((versions[loss_mask] < 0).sum())
+    if unversioned:  # -1 marks tokens the policy did not sample: the rollout's masks and versions disagree
+        raise ValueError(f"token_versions: {unversioned} trained tokens have no weight version (-1)")
+    lag = torch.from_numpy((global_step - versions).astype(np.float64))
+    tracker.masked("token_offpolicyness", lag, torch.from_numpy(loss_mask))
+
+
 def _train_minibatches(
     engine: TrainEngine,
     batch: Batch,
@@ -165,7 +178,10 @@ def actor_train_step(
 ) -> dict[str, float]:
     """actor_train: advantages, then ``ppo_n_minibatches`` PPO updates; statistics under ``ppo_actor/``.
 
-    ``global_step`` (with ``version_start``/``version_end`` in the batch) adds head/tail off-policyness.
+    ``global_step`` (with ``version_start``/``version_end`` in the batch) adds head/tail off-policyness, and
+    with ``token_versions`` the off-policyness of each trained token (``token_offpolicyness``).
+    ``prompt_mask`` marks every token the policy did not sample (prompt, tool results, user turns), anywhere in
+    a sequence: none of them is trained on or enters the KL penalty and the per-token statistics.
     Group normalisation (``group_adv_norm``) needs each prompt's whole group on this rank.
     """
     decoupled = ppo.use_decoupled_loss
@@ -179,6 +195,7 @@ def actor_train_step(
     old_key = old_logprob_key(ppo)
     tracker = StatsTracker()
     _sequence_stats(tracker, batch, global_step)
+    _token_stats(tracker, batch, data["loss_mask"], global_step)
 
     def make_loss_fn(normaliser: float) -> LossFn:
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
