@@ -37,6 +37,7 @@ CASES = {
     "qwen3-1.7b-32gpu": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
     "qwen2.5-32b-64gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"), ()),
     "qwen3-1.7b-1gpu-colocated": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"), ()),
+    "qwen3-1.7b-8gpu-tools": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-tools.yaml"), ()),
 }
 
 

@@ -107,8 +107,16 @@ def extension_problems(cfg: ExperimentConfig) -> list[str]:
         "reward.fn": cfg.reward.fn,
         "dataset.loader": cfg.dataset.loader,
         "actor.interface": cfg.actor.interface,
+        "rollout.workflow": cfg.rollout.workflow,
     }
     out = [p for field, spec in specs.items() if (p := extensions.spec_problem(field, spec))]
+    out += [p for spec in cfg.rollout.tools if (p := extensions.spec_problem("rollout.tools", spec))]
+    if len(set(cfg.rollout.tools)) != len(cfg.rollout.tools):
+        out.append(f"'rollout.tools' names a tool twice: {cfg.rollout.tools}")
+    if cfg.rollout.workflow == "tool_loop" and not cfg.rollout.tools:
+        out.append(
+            "'rollout.tools' is empty, but 'rollout.workflow' tool_loop calls tools: name at least one"
+        )
     if cfg.reward.fn is None and cfg.reward.fn_batch:
         out.append("'reward.fn_batch' is true, but 'reward.fn' is not set: name the batch reward function")
     mine = {"ppo": "ppo_actor", "sft": "sft"}[cfg.experiment_type]

@@ -99,6 +99,27 @@ RULES = (
         "it applies to SGLang servers only, and the generation backend is another",
     ),
     Rule(
+        ("rollout.workflow",), ("experiment_type",), lambda c: not _rl(c),
+        "a supervised warm-up (experiment_type: sft) runs no episodes",
+    ),
+    Rule(
+        ("rollout.export", "rollout.turn_discount", "rollout.episode_timeout_secs"),
+        ("rollout.workflow", "experiment_type"),
+        lambda c: c.rollout.workflow == "single_turn" or not _rl(c),
+        "it applies to multi-turn workflows (rollout.workflow other than single_turn)",
+    ),
+    Rule(
+        ("rollout.tools",), ("rollout.workflow", "experiment_type"),
+        lambda c: c.rollout.workflow == "single_turn" and _rl(c),
+        "it applies to workflows that call tools, and to warm-ups on worked conversations (docs/agents.md)",
+    ),
+    Rule(
+        ("rollout.max_turns", "rollout.tool_time_secs", "rollout.python_state", "rollout.max_tool_output_chars"),
+        ("rollout.workflow", "experiment_type"),
+        lambda c: c.rollout.workflow == "single_turn" or not _rl(c),
+        "it applies to workflows that call tools (tool_loop, or one of yours)",
+    ),
+    Rule(
         ("reward.fn_batch", "reward.fn_timeout_secs", "reward.fn_workers"), ("reward.fn",),
         lambda c: c.reward.fn is None, "it applies to reward.fn, which is not set",
     ),

@@ -287,6 +287,43 @@ class RewardConfig:
 
 
 @dataclass
+class RolloutConfig:
+    workflow: str = opt(
+        "single_turn",
+        "What one episode is: single_turn (one answer per prompt, the group's answers in one request), tool_loop "
+        "(the model calls rollout.tools over up to rollout.max_turns turns), or 'module:function', an async "
+        "function (ctx, record) -> reward (docs/agents.md).",
+    )
+    export: str = opt(
+        "concat",
+        "How a multi-turn episode becomes training samples: concat (one sample, the whole conversation, loss on "
+        "the sampled tokens only) or per_turn (one sample per model turn, with its context).",
+        choices=("concat", "per_turn"),
+    )
+    turn_discount: float = opt(
+        1.0, "per_turn: a turn k turns before the last gets reward * turn_discount**k.", ge=0, le=1
+    )
+    max_turns: int = opt(4, "tool_loop: model turns of an episode at most.", ge=1)
+    tools: list[str] = opt(
+        ["calculator", "python"],
+        "tool_loop: the tools offered to the model, by registered name (calculator, python) or "
+        "'module:attribute' naming an agent.Tool.",
+    )
+    tool_time_secs: float = opt(5.0, "Longest run of one tool call; past it the model gets an error.", gt=0)
+    python_state: bool = opt(
+        False, "python tool: later calls of an episode see the variables of its earlier calls."
+    )
+    max_tool_output_chars: int = opt(
+        1024, "A tool's answer is cut to this many characters before it goes back to the model.", ge=16
+    )
+    episode_timeout_secs: float = opt(
+        600.0,
+        "An episode running longer than this is given up; its group is dropped, logged and counted.",
+        gt=0,
+    )
+
+
+@dataclass
 class LoggingConfig:
     level: str = opt("INFO", "Log level of every role.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     progress: bool = opt(True, "`areal-hpc run` shows a progress line (step, reward, ETA) as steps finish.")
@@ -340,6 +377,7 @@ class ExperimentConfig:
     dataset: DatasetConfig = opt(DatasetConfig, "Training prompts and batch size.")
     group_size: int = opt(16, "Answers sampled per prompt.", ge=1)
     ppo: PPOConfig = opt(PPOConfig, "The PPO/GRPO algorithm.")
+    rollout: RolloutConfig = opt(RolloutConfig, "What an episode is: one answer, or turns with tool calls.")
     async_rl: bool = opt(
         False,
         "Asynchronous RL: a rollout role generates while the trainers train (REFERENCE.md section 4); "

@@ -54,6 +54,8 @@ class PromptSample:
     tests: CodeTests | None = None  # a code task's
     # The line's fields but the prompt, for a reward.fn (None when the answers are scored by task).
     fields: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # A worked conversation after the prompt (assistant turns, tool results), for a supervised warm-up.
+    messages: tuple[dict, ...] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Record(NamedTuple):
     solutions: tuple[str, ...]
     tests: CodeTests | None
     fields: dict[str, Any] | None  # the line but its prompt, kept for a reward.fn
+    messages: tuple[dict, ...] | None = None
 
 
 def _parse_line(obj: Any, where: str, scored_by_fn: bool = False) -> Record:
@@ -121,9 +124,10 @@ def _parse_line(obj: Any, where: str, scored_by_fn: bool = False) -> Record:
     ):
         what = "a list of strings" if optional else "a non-empty list of strings"
         raise DatasetFormatError(f"{where}: 'solutions' must be {what}, got {_show(solutions)}")
+    messages = _messages(obj.get("messages"), where)
     if scored_by_fn:
         fields = {**{k: v for k, v in obj.items() if k != "prompt"}, "query_id": query_id}
-        return Record(query_id, prompt, task, tuple(solutions), None, fields)
+        return Record(query_id, prompt, task, tuple(solutions), None, fields, messages)
     tests = None
     if task == "code":
         if "input_output" not in obj:
@@ -132,7 +136,31 @@ def _parse_line(obj: Any, where: str, scored_by_fn: bool = False) -> Record:
             tests = parse_code_tests(obj["input_output"])
         except CodeTestsError as e:
             raise DatasetFormatError(f"{where}: 'input_output': {e}") from None
-    return Record(query_id, prompt, task, tuple(solutions), tests, None)
+    return Record(query_id, prompt, task, tuple(solutions), tests, None, messages)
+
+
+ROLES = ("assistant", "tool", "user")
+
+
+def _messages(value: Any, where: str) -> tuple[dict, ...] | None:
+    """The optional 'messages': the conversation after the prompt, OpenAI-style (docs/agents.md)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise DatasetFormatError(
+            f"{where}: 'messages' must be a non-empty list of messages, got {_show(value)}"
+        )
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
+            raise DatasetFormatError(
+                f"{where}: 'messages'[{i}] must be an object with a role ({', '.join(ROLES)}) and a string "
+                f"content, got {_show(m)}"
+            )
+    if value[-1]["role"] != "assistant":
+        raise DatasetFormatError(
+            f"{where}: 'messages' must end with the assistant's turn, got {value[-1]['role']!r}"
+        )
+    return tuple(value)
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[str, Any]]:
@@ -217,7 +245,7 @@ def load_prompt_dataset(
     # A chat template writes its own special tokens; adding them again would double the BOS of some models.
     all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
     samples = tuple(
-        PromptSample(r.query_id, r.prompt, tuple(ids), r.task, r.solutions, r.tests, r.fields)
+        PromptSample(r.query_id, r.prompt, tuple(ids), r.task, r.solutions, r.tests, r.fields, r.messages)
         for r, ids in zip(records, all_ids, strict=True)
         if len(ids) <= max_prompt_len
     )

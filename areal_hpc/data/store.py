@@ -3,8 +3,9 @@
 One file per group in the store's folder (``RunDir.rollouts``), written tmp + rename by `data.batch.write_batch`, named
 ``<birth time in ms>-w<worker>-<sequence>.h5`` (birth: when the rollout started) so that name order is age
 order: the trainer side takes the oldest finished groups first. A file is removed only after the step that
-trained on it ended, so nothing is lost in a crash. A group the success-rate filter dropped leaves a small
-marker in ``dropped/`` instead, so that the controller records its prompt as used (exactly-once accounting).
+trained on it ended, so nothing is lost in a crash. A group the success-rate filter dropped, or whose episodes
+ran past their time, leaves a small marker in ``dropped/`` instead, so that the controller records its prompt as
+used (exactly-once accounting).
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ class RolloutStore:
         self.root.mkdir(parents=True, exist_ok=True)
         return write_batch(self.root / f"{_name(worker, sequence, birth)}.h5", arrays, attrs)
 
-    def put_dropped(self, worker: int, sequence: int, birth: float, query_id: str, epoch: int) -> Path:
-        """Mark the group of `query_id` (of prompt epoch `epoch`) as dropped by the success-rate filter."""
+    def put_dropped(
+        self,
+        worker: int,
+        sequence: int,
+        birth: float,
+        query_id: str,
+        epoch: int,
+        reason: str = "success_rate",
+    ) -> Path:
+        """Mark the group of `query_id` (of prompt epoch `epoch`) as dropped: by the success-rate filter, or
+        because its episodes ran past their time (reason "timeout")."""
         path = self.root / "dropped" / f"{_name(worker, sequence, birth)}.json"
-        fsio.write_json(path, {"query_id": query_id, "epoch": epoch})
+        fsio.write_json(path, {"query_id": query_id, "epoch": epoch, "reason": reason})
         return path
 
     def dropped(self) -> list[tuple[Path, dict]]:

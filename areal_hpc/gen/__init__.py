@@ -6,6 +6,8 @@ client          GenClient: SGLang's HTTP API, every call with a timeout and an e
 discovery       servers announce their address in the run directory; clients wait for them
 rollout         one synchronous step: prompts -> servers -> math reward -> a packed batch file
 rollout_worker  the rollout workers of asynchronous RL
+episode         the context a multi-turn workflow runs with (generate, chat, tools, reward), recording its tokens
+episodes        a prompt's group of episodes, run and exported as samples; a synchronous step of them
 manager         GenerationManager: the staleness bound and the choice of server
 partial         answers continued across weight updates (interruptible generation)
 """
@@ -13,14 +15,28 @@ partial         answers continued across weight updates (interruptible generatio
 from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec, start_server
 from areal_hpc.gen.client import GenClient, GenServerError
+from areal_hpc.gen.episodes import (
+    EPISODE_COUNTS,
+    Episodes,
+    episode_stats,
+    episodes_step,
+    is_single_turn,
+    make_services,
+)
 from areal_hpc.gen.rollout import group_params, rollout_step, sampling_params
 
 __all__ = [
+    "EPISODE_COUNTS",
+    "Episodes",
     "GenClient",
     "GenServerError",
     "ServerSpec",
     "discovery",
+    "episode_stats",
+    "episodes_step",
     "group_params",
+    "is_single_turn",
+    "make_services",
     "rollout_step",
     "sampling_params",
     "start_server",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.agent import Sample
 from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, gen_backend
 from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.partial import PartialAnswer, from_response
@@ -97,6 +98,35 @@ def pack_groups(
         "version_start": np.asarray(starts, dtype=np.int64),
         "version_end": np.asarray(ends, dtype=np.int64),
         "success": success.astype(np.float32),
+    }
+
+
+def pack_episodes(groups: Sequence[Sequence[Sample]], cfg: ExperimentConfig) -> dict:
+    """Packed arrays of the samples of each group's episodes (batch keys of docs/architecture.md), rewards
+    included; ``token_versions`` holds each trained token's weight version (-1 on the others)."""
+    rows = [(g, s) for g, samples in enumerate(groups) for s in samples]
+    if not rows:
+        raise ValueError("no episode of these groups took a model turn; there is nothing to train on")
+    masked = [np.asarray(s.prompt_mask, dtype=bool) for _, s in rows]
+    trained = [s.sampled_versions or [0] for _, s in rows]
+    success = np.asarray([s.reward for _, s in rows], dtype=np.float32)
+    discount = np.asarray([s.discount for _, s in rows], dtype=np.float32)
+    return {
+        "cu_seqlens": np.concatenate([[0], np.cumsum([len(s.ids) for _, s in rows])]).astype(np.int64),
+        "packed_input_ids": np.concatenate([np.asarray(s.ids, dtype=np.int64) for _, s in rows]),
+        "prompt_mask": np.concatenate(masked),
+        "packed_logprobs": np.concatenate(
+            [np.where(m, 0.0, np.asarray(s.logprobs)) for m, (_, s) in zip(masked, rows, strict=True)]
+        ).astype(np.float32),
+        "token_versions": np.concatenate(
+            [np.where(m, -1, np.asarray(s.versions)) for m, (_, s) in zip(masked, rows, strict=True)]
+        ).astype(np.int64),
+        "seq_no_eos_mask": np.asarray([s.truncated for _, s in rows], dtype=bool),
+        "group_ids": np.asarray([g for g, _ in rows], dtype=np.int64),
+        "version_start": np.asarray([min(v) for v in trained], dtype=np.int64),
+        "version_end": np.asarray([max(v) for v in trained], dtype=np.int64),
+        "success": success,
+        "rewards": scores(success, cfg) * discount,
     }
 
 

@@ -21,6 +21,7 @@ from areal_hpc.control import (
 )
 from areal_hpc.data import RolloutStore, run_steps, training_prompts
 from areal_hpc.gen import discovery
+from areal_hpc.gen.episodes import Episodes, is_single_turn, make_services
 from areal_hpc.gen.manager import GenerationManager, ManagerState
 from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker, used_prompts
 from areal_hpc.reward import TaskRewards
@@ -50,6 +51,11 @@ def run(ctx: RunContext) -> None:
     n_workers = cfg.n_rollout_workers or ctx.allocation.n_train_gpus
     with TaskRewards(cfg.reward, math_workers=2, tasks={p.task for p in train.samples}) as rewards:
         shared = RolloutContext(cfg, train, clients, rewards, manager, store, tokenizer, stop, done)
+        if not is_single_turn(cfg):
+            version_now = None if cfg.interruptible_generation else (lambda: manager.version)
+            shared.episodes = Episodes(
+                cfg, make_services(cfg, tokenizer, rewards, version_now=version_now, stop=stop)
+            )
         workers = [
             RolloutWorker(i, n_workers, shared, -(-max_concurrent // n_workers)) for i in range(n_workers)
         ]

@@ -23,9 +23,10 @@ from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import Ledger
 from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSampler, read_attrs
 from areal_hpc.gen.client import GenerationStopped
+from areal_hpc.gen.episodes import EPISODE_COUNTS, Episodes, GroupTimeout
 from areal_hpc.gen.manager import GenerationManager
 from areal_hpc.gen.partial import generate_group
-from areal_hpc.gen.rollout import group_params, pack_groups, scores
+from areal_hpc.gen.rollout import group_params, pack_episodes, pack_groups, scores
 
 logger = logging.getLogger("rollout")
 ALLOCATE_POLL_SECS = 0.01
@@ -44,6 +45,7 @@ class RolloutContext:
     tokenizer: object
     stop: threading.Event
     done: dict[int, set[str]] = field(default_factory=dict)  # prompt epoch -> query ids already used
+    episodes: Episodes | None = None  # a multi-turn workflow's (None: single_turn)
 
 
 class RolloutWorker:
@@ -102,6 +104,12 @@ class RolloutWorker:
         n_tokens = len(prompt.input_ids) * cfg.group_size
         group = f"{self.index}-{sequence}"  # a prompt may be in flight twice (an epoch ends meanwhile)
         server = ctx.manager.schedule_request(group, n_tokens)
+        if ctx.episodes is not None:
+            try:
+                return self.episodes(ctx.clients[server], prompt, sequence, epoch, birth)
+            finally:
+                ctx.manager.release(group, n_tokens)
+                ctx.manager.close_group(group)
         # Paused in place across an update (not interruptible), an answer reports only the version at its
         # end: that of its first tokens is at least the version published when it was sent.
         sent = None if cfg.interruptible_generation else ctx.manager.version
@@ -128,6 +136,26 @@ class RolloutWorker:
             "gen_secs": time.time() - birth,
             "n_interrupted": sum(a.n_parts > 1 for a in answers),
         }
+        ctx.store.put(self.index, sequence, birth, arrays, attrs)
+        return True
+
+    def episodes(self, client, prompt: PromptSample, sequence: int, epoch: int, birth: float) -> bool:
+        """Run, filter and store one group of a multi-turn workflow; False when it was dropped."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        try:
+            result = ctx.episodes.group(client, prompt, epoch)
+        except GroupTimeout as exc:
+            logger.warning("group of prompt %s dropped: %s", prompt.query_id, exc)
+            ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason="timeout")
+            return False
+        if not cfg.success_rate_lb <= float(np.mean(result.rewards)) <= cfg.success_rate_ub:
+            ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch)
+            return False
+        arrays = pack_episodes([[s for samples in result.samples for s in samples]], cfg)
+        arrays["birth_time"] = np.full(len(arrays["rewards"]), birth, dtype=np.float64)
+        attrs = {"query_id": prompt.query_id, "epoch": epoch, "worker": self.index, "gen_secs": result.secs,
+                 "n_interrupted": result.counts["interrupted_turns"], "episodes": len(result.rewards),
+                 **{f"episode_{name}": float(result.counts[name]) for name in EPISODE_COUNTS}}  # fmt: skip
         ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True
 

@@ -1,6 +1,6 @@
 """The inputs a config names, checked before anything is written or submitted: the datasets, every line of
 them (file:line), the model and tokenizer directories, the user's code it names (reward.fn, dataset.loader,
-actor.interface: each imports and takes the call it will get), what the run needs of its storage
+actor.interface, rollout.workflow and rollout.tools: each imports and takes the call it will get), what the run needs of its storage
 (launch/storage.py) and, under `areal-hpc run`, that this machine isolates model-written code. A bad input
 fails alike on every attempt, so it must be refused here, never found by a role, whose failures are retried.
 """
@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 from pathlib import Path
 
+from areal_hpc.agent import ChatRenderer, ChatTemplateError, load_tools
 from areal_hpc.config import (
     ExperimentConfig,
     ExtensionError,
@@ -95,8 +96,11 @@ def models(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:
 
 
 def isolation_problems(cfg: ExperimentConfig, tasks: set[str]) -> list[str]:
-    """Code answers are run in the sandbox: with reward.code_isolation required, this machine must isolate them."""
-    if "code" not in tasks or cfg.reward.fn is not None or cfg.reward.code_isolation != "required":
+    """Code answers, and the python tool's calls, are run in the sandbox: with reward.code_isolation required,
+    this machine must isolate them."""
+    code_answers = "code" in tasks and cfg.reward.fn is None
+    python_tool = "python" in cfg.rollout.tools and cfg.rollout.workflow != "single_turn"
+    if not (code_answers or python_tool) or cfg.reward.code_isolation != "required":
         return []
     try:
         Sandbox(Limits(time_secs=cfg.reward.code_time_secs, memory_mb=cfg.reward.code_memory_mb))
@@ -155,6 +159,11 @@ def extension_problems(cfg: ExperimentConfig) -> list[str]:
         ("dataset.loader", None if cfg.dataset.loader == "jsonl" else cfg.dataset.loader, _loader_problems),
         ("reward.fn", cfg.reward.fn, _reward_fn_problems),
         ("actor.interface", cfg.actor.interface, _interface_problems),
+        (
+            "rollout.workflow",
+            cfg.rollout.workflow if cfg.experiment_type == "ppo" else None,
+            _workflow_problems,
+        ),
     )
     for field, spec, problems in checks:
         if spec is None:
@@ -196,6 +205,32 @@ def _first_fields(cfg: ExperimentConfig) -> dict:
         return read_prompt_records(cfg.dataset.path, cfg.dataset.loader, scored_by_fn=True)[0].fields
     except Exception:
         return {}
+
+
+def _workflow_problems(cfg: ExperimentConfig, spec: str, fn) -> list[str | None]:
+    """A workflow is an async function (ctx, record); a multi-turn one renders chats with the actor's template and
+    calls the tools the config names."""
+    if not inspect.iscoroutinefunction(fn):
+        return [f"'rollout.workflow' is {spec!r}, which is not an async function: write `async def {spec.split(':')[-1]}"
+                "(ctx, record)` (docs/agents.md)"]  # fmt: skip
+    out = [extensions.call_problem("rollout.workflow", spec, fn, ("ctx", "record"), {}, "(ctx, record)")]
+    try:
+        tools = load_tools(cfg.rollout.tools)
+    except ExtensionError as exc:
+        return [*out, str(exc)]
+    if cfg.rollout.workflow != "single_turn" and cfg.actor.path:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path, local_files_only=True)
+            ChatRenderer(tokenizer, [t.schema() for t in tools] or None)
+        except ChatTemplateError as exc:
+            out.append(
+                f"'rollout.workflow' is {spec!r}, but the chat template of actor.path {cfg.actor.path}: {exc}"
+            )
+        except (OSError, ValueError):
+            pass  # the model check says why it does not load
+    return out
 
 
 def _interface_problems(cfg: ExperimentConfig, spec: str, cls) -> list[str | None]:

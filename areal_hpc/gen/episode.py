@@ -1,0 +1,225 @@
+"""The episode context a workflow runs with: generation on the run's servers, chat, tools, the task's reward.
+
+A workflow is `async def workflow(ctx, record) -> reward` (docs/agents.md). Everything it samples goes through
+`ctx.generate` (token in, token out) or `ctx.chat` (messages in, the assistant's reply out), and the context
+records it in a trajectory (agent.trajectory): context ids with loss mask 0, sampled ids with their behaviour
+logprobs and the weight version of each. A generation on ids that extend the trajectory continues it; any other
+starts a new trajectory of the episode (a "break", counted), as AReaL's individual export does.
+
+Requests are blocking HTTP calls (gen.client), run in threads so that the episodes of a group (and their tool
+calls) proceed side by side. A generation interrupted by a weight update is continued with the tokens it has
+(gen.partial), each token tagged with the version it was sampled under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from areal_hpc.agent import ChatRenderer, Toolbox, Trajectory, content_of, drifts, parse_tool_calls, to_openai
+from areal_hpc.gen.partial import PartialAnswer, finish, from_response
+
+
+class EpisodeCancelled(RuntimeError):
+    """The episode was given up (its time ran out, or the role stops) while it generated."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One model turn: the sampled ids, their behaviour logprobs and weight versions, why it ended, its text."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str  # stop | length
+    text: str
+
+
+@dataclass
+class Services:
+    """What every episode of a rollout process shares."""
+
+    tokenizer: Any
+    options: Any  # config.RolloutConfig: what the workflows read (max_turns, ...)
+    score: Callable[[str, Any, Sequence[int]], float]  # (answer text, record, answer ids) -> task reward
+    toolbox: Toolbox | None = None
+    version_now: Callable[[], int] | None = None  # None: interruptible (the server tags each part)
+    stop: threading.Event | None = None  # the role stops: requests waiting for admission give up
+    max_context: int | None = None  # prompt + new tokens a server takes (its context length); None: no bound
+
+
+class EpisodeContext:
+    """One episode: index ``index`` of its prompt's group, generating on ``client`` with ``params``."""
+
+    def __init__(self, services: Services, client, record, params: dict, index: int):
+        self.services, self.client, self.record, self.index = services, client, record, index
+        self.tokenizer, self.options = services.tokenizer, services.options
+        self.last_turn: Generation | None = None
+        self.params = {**params, "n": 1}
+        self.trajectories: list[Trajectory] = []
+        self.counts: Counter[str] = Counter()  # turns, interrupted_turns, breaks, drifted_turns, tool_*
+        self.tool_secs = 0.0
+        self.session: dict = {}  # the tools' state in this episode (the python tool's earlier cells)
+        self._cancel = threading.Event()
+        self._running: set[str] = set()  # ids of the requests in flight, aborted on cancel
+        self._renderers: dict[str, ChatRenderer] = {}
+        self._chat: tuple[ChatRenderer, list[dict]] | None = (
+            None  # the conversation that the trajectory holds
+        )
+        self._calls: list = []  # the tool calls of the last reply
+
+    # --- token in, token out ------------------------------------------------------------------------------
+
+    async def generate(self, ids: Sequence[int], sampling: dict | None = None) -> Generation:
+        """Sample a turn after ``ids``: ``sampling`` overrides the run's sampling params (ppo.gen)."""
+        ids = list(ids)
+        traj = self.trajectories[-1] if self.trajectories else None
+        if traj is None or not traj.extends(ids):
+            self.counts["breaks"] += traj is not None
+            traj = Trajectory()
+            self.trajectories.append(traj)
+        traj.add_context(ids[len(traj.ids) :])
+        params = self._turn_params(sampling)
+        room = (
+            self.services.max_context - len(ids) - 1
+            if self.services.max_context
+            else params["max_new_tokens"]
+        )
+        if room < 1:  # the conversation fills the servers' context: the episode can only end here
+            self.counts["context_full"] += 1
+            self.last_turn = Generation([], [], [], "length", "")
+            return self.last_turn
+        params["max_new_tokens"] = min(params["max_new_tokens"], room)
+        answer = await asyncio.to_thread(self._sample, ids, params)
+        versions = [v for part in answer.parts for v in [part.first] * part.tokens]
+        ended = "stop" if answer.finish == "stop" else "length"
+        traj.add_turn(list(answer.output_ids), list(answer.logprobs), versions, ended)
+        self.counts["turns"] += 1
+        self.counts["interrupted_turns"] += answer.n_parts > 1
+        self.counts["drifted_turns"] += drifts(self.tokenizer, answer.output_ids)
+        text = self.tokenizer.decode(list(answer.output_ids), skip_special_tokens=True)
+        self.last_turn = Generation(list(answer.output_ids), list(answer.logprobs), versions, ended, text)
+        return self.last_turn
+
+    def _turn_params(self, sampling: dict | None) -> dict:
+        params = {**self.params, **(sampling or {}), "n": 1}
+        if params.get("sampling_seed") is not None:  # each episode and turn a stream of its own
+            params["sampling_seed"] = (
+                params["sampling_seed"] + 1009 * self.index + 7919 * self.counts["turns"]
+            ) % (2**31)
+        return params
+
+    def _sample(self, ids: list[int], params: dict) -> PartialAnswer:
+        """One answer, continued after interruptions (a thread of its own)."""
+        min_version = self.services.version_now() if self.services.version_now else None
+
+        def ask(prompt: list[int], p: dict) -> list[PartialAnswer]:
+            rid = f"ep-{uuid.uuid4().hex}"
+            self._running.add(rid)  # before the check: a cancel after it aborts this request
+            try:
+                if self._cancel.is_set():
+                    raise EpisodeCancelled("the episode was given up")
+                responses = self.client.generate([prompt], p, rid=rid, stop=self.services.stop)
+            finally:
+                self._running.discard(rid)
+            return [from_response(r, min_version) for r in responses]
+
+        (answer,) = ask(ids, params)
+        return finish(ask, ids, params, 0, answer, max_parts=1000)
+
+    def cancel(self) -> None:
+        """Give the episode up: no new request is sent, those in flight are aborted (they answer at once)."""
+        self._cancel.set()
+        for rid in list(self._running):
+            with contextlib.suppress(
+                Exception
+            ):  # it ended meanwhile, or the server is gone: nothing to abort
+                self.client.abort_request(rid)
+
+    # --- chat ---------------------------------------------------------------------------------------------
+
+    async def chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> dict:
+        """The assistant's reply to ``messages`` (OpenAI-style dicts; ``tools``: function schemas), its tool calls
+        parsed into ``tool_calls``. When ``messages`` extend the conversation so far (earlier messages and
+        replies, unchanged), only the new messages' tokens are appended to the sampled ids."""
+        renderer = self._renderer(tools)
+        messages = list(messages)
+        traj = self.trajectories[-1] if self.trajectories else None
+        if self._continues(renderer, messages) and traj is not None and traj.turns:
+            last = traj.turns[-1]
+            new = messages[len(self._chat[1]) :]
+            ids = traj.ids + renderer.after_turn(new, traj.ids[last.start : last.end])
+        else:
+            ids = renderer.first(messages)
+        turn = await self.generate(ids)
+        self._calls = parse_tool_calls(turn.text)
+        reply: dict = {"role": "assistant", "content": content_of(turn.text)}
+        if calls := to_openai(self._calls):
+            reply["tool_calls"] = calls
+        self._chat = (renderer, [*messages, reply])
+        return reply
+
+    def _continues(self, renderer: ChatRenderer, messages: list[dict]) -> bool:
+        if self._chat is None or self._chat[0] is not renderer:
+            return False
+        before = self._chat[1]
+        return len(messages) > len(before) and messages[: len(before)] == before
+
+    def _renderer(self, tools: Sequence[dict] | None) -> ChatRenderer:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._renderers:
+            self._renderers[key] = ChatRenderer(self.tokenizer, tools)
+        return self._renderers[key]
+
+    # --- tools and reward ---------------------------------------------------------------------------------
+
+    @property
+    def tool_schemas(self) -> list[dict]:
+        """The function schemas of the run's tools (rollout.tools), for ``chat(messages, tools=...)``."""
+        return self.services.toolbox.schemas() if self.services.toolbox else []
+
+    @property
+    def pending_calls(self) -> list:
+        """The tool calls of the last reply, malformed ones included (agent.ToolCall)."""
+        return list(self._calls)
+
+    async def run_tools(self) -> list[dict]:
+        """Run the last reply's tool calls, in order (a call may see an earlier one's state); their answers as tool
+        messages. A malformed call or a failing tool is answered with an error message (counted), never raised."""
+        toolbox = self.services.toolbox
+        if toolbox is None:
+            raise RuntimeError("this run offers no tools (rollout.tools is empty)")
+        calls, self._calls = self._calls, []
+        messages = []
+        for call in calls:
+            result = await asyncio.to_thread(toolbox.run, call, self.session)
+            self.counts["tool_calls"] += 1
+            self.counts["tool_errors"] += result.error
+            self.tool_secs += result.secs
+            messages.append(
+                {
+                    "role": "tool",
+                    "name": call.name or "error",
+                    "tool_call_id": call.id,
+                    "content": result.text,
+                }
+            )
+        return messages
+
+    async def score(self, text: str, ids: Sequence[int] = ()) -> float:
+        """The task reward of an answer to this episode's record, by its task (math, code, stem) or reward.fn."""
+        return await asyncio.to_thread(self.services.score, text, self.record, ids)
+
+    # --- what the episode leaves ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        tokens = sum(len(t.ids) for t in self.trajectories)
+        sampled = sum(t.n_sampled for t in self.trajectories)
+        return {**self.counts, "tool_secs": self.tool_secs, "tokens": tokens, "sampled_tokens": sampled}

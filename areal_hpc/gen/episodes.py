@@ -1,0 +1,176 @@
+"""A prompt's group of episodes: group_size runs of the workflow side by side, exported as training samples.
+
+Every episode of a group runs on one server (its prefix cache serves them all) under one staleness slot: the
+group is what the generation manager admits, as a single-turn group is. A group whose episodes do not all end
+within rollout.episode_timeout_secs is given up (its requests aborted) and dropped: the caller counts it and
+records its prompt as used, and no wait of the run hangs on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from transformers import AutoConfig
+
+from areal_hpc.agent import Sample, Toolbox, export, load_tools, workflows
+from areal_hpc.config import ExperimentConfig, extensions, gen_backend
+from areal_hpc.data import write_batch
+from areal_hpc.gen.episode import EpisodeContext, Services
+from areal_hpc.gen.rollout import group_params, pack_episodes
+
+logger = logging.getLogger("rollout")
+PER_EPISODE = (
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_secs",
+    "breaks",
+    "drifted_turns",
+    "interrupted_turns",
+)
+EPISODE_COUNTS = (*PER_EPISODE, "tokens", "sampled_tokens")  # what a group's file records of its episodes
+
+
+class GroupTimeout(RuntimeError):
+    """A group's episodes did not end in time; they were given up."""
+
+
+@dataclass
+class GroupResult:
+    samples: list[list[Sample]]  # each episode's
+    rewards: list[float]  # each episode's task reward (the mean of its turns' when given per turn)
+    counts: Counter = field(
+        default_factory=Counter
+    )  # summed over the episodes: turns, tool calls, tokens, ...
+    secs: float = 0.0
+
+
+def is_single_turn(cfg: ExperimentConfig) -> bool:
+    """The built-in single_turn runs as one request of group_size answers (gen.rollout), as before workflows."""
+    return extensions.load("rollout.workflow", cfg.rollout.workflow) is workflows.single_turn
+
+
+def make_services(cfg: ExperimentConfig, tokenizer, rewards, **kwargs) -> Services:
+    """The services of a rollout process's episodes: its tokenizer, the task rewards (reward.TaskRewards), the
+    run's tools; ``kwargs``: Services' version_now and stop."""
+    r = cfg.rollout
+    toolbox = Toolbox(
+        load_tools(r.tools), time_secs=r.tool_time_secs, output_chars=r.max_tool_output_chars,
+        python_state=r.python_state, memory_mb=cfg.reward.code_memory_mb, isolation=cfg.reward.code_isolation,
+    ) if r.tools else None  # fmt: skip
+
+    def score(text: str, record, ids) -> float:
+        return rewards.score_batch([(text, record, tuple(ids))])[0]
+
+    return Services(tokenizer, r, score, toolbox, max_context=max_context(cfg), **kwargs)
+
+
+def max_context(cfg: ExperimentConfig) -> int:
+    """The tokens (prompt and answer) a generation server takes: SGLang's context_length when set, else the
+    model's own (max_position_embeddings), which the built-in server and SGLang both default to."""
+    if gen_backend(cfg) == "sglang" and cfg.sglang.context_length:
+        return cfg.sglang.context_length
+    return AutoConfig.from_pretrained(cfg.actor.path).max_position_embeddings
+
+
+class Episodes:
+    """The groups of a rollout process: its workflow (rollout.workflow) over its services."""
+
+    def __init__(self, cfg: ExperimentConfig, services: Services):
+        self.cfg, self.services = cfg, services
+        self.workflow = extensions.load("rollout.workflow", cfg.rollout.workflow)
+
+    def group(self, client, record, epoch: int) -> GroupResult:
+        params = group_params(self.cfg, record.query_id, epoch)
+        timeout = self.cfg.rollout.episode_timeout_secs
+        return run_group(self.services, self.workflow, client, record, params, self.cfg.group_size, timeout)
+
+
+def run_group(
+    services: Services, workflow: Callable, client, record, params: dict, group_size: int, timeout: float
+) -> GroupResult:
+    """Run the group's episodes (a new event loop in the calling thread); GroupTimeout past ``timeout``."""
+    start = time.monotonic()
+    contexts = [EpisodeContext(services, client, record, params, i) for i in range(group_size)]
+    rewards = asyncio.run(_episodes(workflow, contexts, record, timeout))
+    options = services.options
+    result = GroupResult([], [], secs=time.monotonic() - start)
+    for ctx, reward in zip(contexts, rewards, strict=True):
+        samples = [
+            s for t in ctx.trajectories for s in export(t, reward, options.export, options.turn_discount)
+        ]
+        result.samples.append(samples)
+        result.rewards.append(float(np.mean(reward)) if isinstance(reward, Sequence) else float(reward))
+        result.counts.update(ctx.stats())
+    return result
+
+
+async def _episodes(workflow: Callable, contexts: list[EpisodeContext], record, timeout: float) -> list:
+    tasks = [asyncio.ensure_future(workflow(ctx, record)) for ctx in contexts]
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    if pending:
+        for ctx in contexts:
+            ctx.cancel()  # aborts their requests, so that their threads end now
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise GroupTimeout(f"{len(pending)} of {len(tasks)} episodes still ran after {timeout:g} s")
+    return [task.result() for task in tasks]  # a workflow's own error fails the rollout: it is a bug to see
+
+
+def episode_stats(counts: Counter, episodes: int, n_dropped: int = 0) -> dict[str, float]:
+    """The rollout statistics of multi-turn groups (beside the single-turn ones), from the summed counts of
+    their ``episodes`` episodes (EPISODE_COUNTS) and the groups dropped for time."""
+    episodes, turns = max(episodes, 1), max(counts["turns"], 1)
+    stats = {f"rollout/{name}_per_episode": counts[name] / episodes for name in PER_EPISODE}
+    stats["rollout/tool_error_ratio"] = counts["tool_errors"] / max(counts["tool_calls"], 1)
+    stats["rollout/drifted_turn_ratio"] = counts["drifted_turns"] / turns
+    stats["rollout/masked_token_share"] = 1 - counts["sampled_tokens"] / max(counts["tokens"], 1)
+    stats["rollout/dropped_groups"] = float(n_dropped)
+    return stats
+
+
+def episodes_step(
+    clients: Sequence, episodes: Episodes, prompts: Sequence, cfg: ExperimentConfig, path: Path, epoch: int
+) -> tuple[Path | None, dict, list[str], list[str]]:
+    """Synchronous RL with a multi-turn workflow: every prompt's group at once (prompt i on server i % n), the
+    kept groups written to one batch file. Returns its path (None when every group was dropped), the rollout
+    statistics, and the query ids of the kept and of the dropped groups."""
+
+    def one(i: int) -> GroupResult | None:
+        try:
+            return episodes.group(clients[i % len(clients)], prompts[i], epoch)
+        except GroupTimeout as exc:
+            logger.warning("group of prompt %s dropped: %s", prompts[i].query_id, exc)
+            return None
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
+        results = list(pool.map(one, range(len(prompts))))
+    secs = time.monotonic() - start
+    kept = [(p, r) for p, r in zip(prompts, results, strict=True) if r is not None]
+    dropped = [p.query_id for p, r in zip(prompts, results, strict=True) if r is None]
+    counts: Counter = Counter()
+    for _, r in kept:
+        counts.update(r.counts)
+    stats = episode_stats(counts, sum(len(r.rewards) for _, r in kept), len(dropped))
+    if not kept:
+        return None, stats, [], dropped
+    arrays = pack_episodes([[s for samples in r.samples for s in samples] for _, r in kept], cfg)
+    write_batch(path, arrays, {"n_prompts": len(kept), "group_size": cfg.group_size})
+    trained = ~arrays["prompt_mask"]
+    stats |= {
+        "rollout/answer_len/avg": float(trained.sum() / len(arrays["rewards"])),
+        "rollout/no_eos_ratio": float(arrays["seq_no_eos_mask"].mean()),
+        "rollout/gen_tokens_per_s": counts["sampled_tokens"] / max(secs, 1e-9),
+        "timeperf/actor_gen": secs,
+    }
+    return path, stats, [p.query_id for p, _ in kept], dropped
