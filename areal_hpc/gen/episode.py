@@ -23,7 +23,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from areal_hpc.agent import ChatRenderer, Toolbox, Trajectory, content_of, drifts, parse_tool_calls, to_openai
+from areal_hpc.agent import (
+    ChatRenderer,
+    Toolbox,
+    ToolCall,
+    Trajectory,
+    content_of,
+    drifts,
+    parse_tool_calls,
+    to_openai,
+)
 from areal_hpc.gen.partial import PartialAnswer, finish, from_response
 
 
@@ -212,6 +221,13 @@ class EpisodeContext:
                 }
             )
         return messages
+
+    async def call_tool(self, name: str, arguments: dict) -> dict:
+        """Run a tool the workflow calls itself (not the model): its answer as a tool message, counted as a
+        model's call is."""
+        self._calls = [ToolCall(name, arguments, None, f"call_{self.counts['tool_calls']}")]
+        (message,) = await self.run_tools()
+        return message
 
     async def score(self, text: str, ids: Sequence[int] = ()) -> float:
         """The task reward of an answer to this episode's record, by its task (math, code, stem) or reward.fn."""

@@ -1,0 +1,54 @@
+"""Multi-turn episodes through a whole run: the rollout role runs a user's workflow (tests/plugins), the
+trainer trains its per-turn samples, and every prompt is trained once (the ledger)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.control import Ledger
+from areal_hpc.control.rundir import run_dir_of
+from areal_hpc.launch.local import run_local
+from areal_hpc.monitor.stats import read_stats
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """tests/plugins importable in the roles of a run."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
+    )
+
+
+def test_an_asynchronous_run_trains_two_turn_episodes_and_drops_the_groups_that_hang(plugins, toy):
+    steps = 4
+    cfg = toy.config(
+        "agent", steps, "async_rl=true", "max_head_offpolicyness=1", "n_rollout_workers=1",
+        "rollout.workflow=agent_plugin:sometimes_hangs", "rollout.tools=[calculator]",
+        "rollout.export=per_turn", "rollout.turn_discount=0.5", "rollout.episode_timeout_secs=3",
+        "logging.progress=false",
+    )  # fmt: skip
+    assert run_local(cfg) == 0
+    run = run_dir_of(cfg)
+    rows = [r for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        # 4 prompts x 2 episodes x 2 turns: a sample per model turn.
+        assert r["ppo_actor/n_seqs"] == 16
+        assert r["rollout/turns_per_episode"] == 2 and r["rollout/tool_calls_per_episode"] == 1
+        assert r["rollout/tool_error_ratio"] == 0 and 0 < r["rollout/masked_token_share"] < 1
+        assert r["ppo_actor/token_offpolicyness/max"] <= 1 + 1  # eta 1, plus an update while a group ran
+    # The prompts whose episodes hang (one in three) were dropped after 3 s each, recorded and counted; the run
+    # went on with the others.
+    records = list(Ledger(run.ledger).records())
+    trained = [i for r in records if not r.dropped for i in r.ids]
+    dropped = [i for r in records if r.dropped for i in r.ids]
+    assert len(trained) == 4 * steps and len(set(trained)) == len(trained)  # every prompt once
+    assert dropped and all(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in dropped)
+    assert not any(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in trained)
+    assert sum(r["rollout/dropped_groups"] for r in rows) == len(dropped)
