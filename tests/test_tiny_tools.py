@@ -17,7 +17,7 @@ from tools.build_tiny_model import (
     tokenizer_corpus,
 )
 from tools.make_toy_data import make_toy_splits
-from tools.make_toy_tool_data import CALCULATOR_TOOL, main, make_tool_splits, tool_transcript
+from tools.make_toy_tool_data import CALCULATOR_TOOL, OPS, main, make_tool_splits, tool_transcript
 
 # The template before tool use; conversations without tools or tool calls must still render as it did.
 PLAIN_TEMPLATE = (
@@ -145,16 +145,21 @@ def test_token_counts_of_a_tool_call_and_a_toy_transcript(tiny_tokenizer):
 # --- toy tool data -------------------------------------------------------------------------------------------
 
 
-def test_tool_records_answer_the_product_and_carry_the_transcript():
+def test_tool_records_answer_the_product_and_carry_a_transcript_of_a_random_operation():
     train, test = make_tool_splits(n_train=500, n_test=64, seed=5)
     assert (len(train), len(test)) == (500, 64)
+    ops = []
     for record in train + test:
         assert set(record) == {"query_id", "prompt", "task", "solutions", "messages"}
         a, b = map(int, PROMPT.fullmatch(record["prompt"]).groups())
         assert (a > 9 and b > 9) or (a > 99 and 2 <= b <= 9)
         assert record["task"] == "math" and record["solutions"] == [f"\\boxed{{{a * b}}}"]
-        assert record["messages"] == tool_transcript(f"{a} * {b}", a * b)
-        assert record["messages"][1]["content"] == str(a * b)
+        expression = record["messages"][0]["tool_calls"][0]["function"]["arguments"]["expression"]
+        op = expression.split()[1]
+        assert record["messages"] == tool_transcript(f"{a} {op} {b}", OPS[op](a, b))
+        ops.append(op)
+    # The warm-up learns the call and the copy, not the operation: a third of its conversations use *.
+    assert {op: round(ops.count(op) / len(ops), 1) for op in OPS} == {"+": 0.3, "-": 0.3, "*": 0.3}
 
 
 def test_tool_splits_are_disjoint_in_either_order_and_a_function_of_the_seed():

@@ -10,8 +10,10 @@ transcript a supervised warm-up learns::
         {"role": "tool", "name": "calculator", "content": "1786"},
         {"role": "assistant", "content": "\\boxed{1786}"}]}
 
-``messages`` is what follows the user turn (the prompt): one calculator call on the question's expression,
-the tool's result, and the boxed answer copied from it. The products are of two 2-digit numbers (four in five)
+``messages`` is what follows the user turn (the prompt): one calculator call, the tool's result, and the boxed
+answer copied from it. The call's operation is drawn at random (+, - or *, as the code toy's warm-up programs
+are): a warm-up on these conversations learns to call the tool and copy its answer, and answers right about
+one time in three, which leaves GRPO a choice to learn (write the question's * in the call). The products are of two 2-digit numbers (four in five)
 or of a 3-digit number and a digit from 2 to 9: a 2-layer model of width 64 cannot multiply them, but it can
 learn to copy the expression into a call and the result into the box.
 
@@ -97,14 +99,17 @@ def tool_transcript(expression: str, value: int) -> list[dict]:
     ]
 
 
-def _record(query_id: str, a: int, b: int) -> dict:
-    expression = f"{a} * {b}"
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def _record(query_id: str, a: int, b: int, op: str) -> dict:
+    """The question of a * b, its answer, and a worked conversation that calls the calculator with ``op``."""
     return {
         "query_id": query_id,
-        "prompt": f"What is {expression}? Use the calculator.",
+        "prompt": f"What is {a} * {b}? Use the calculator.",
         "task": "math",
         "solutions": [f"\\boxed{{{a * b}}}"],
-        "messages": tool_transcript(expression, a * b),
+        "messages": tool_transcript(f"{a} {op} {b}", OPS[op](a, b)),
     }
 
 
@@ -113,8 +118,10 @@ def make_tool_splits(n_train: int, n_test: int, seed: int) -> tuple[list[dict], 
     if n_train < 0 or n_test < 0:
         raise ValueError(f"split sizes must be >= 0, got n_train={n_train!r} n_test={n_test!r}")
     pairs = _unique_factor_pairs(n_train + n_test, random.Random(seed))
-    test = [_record(f"tool-test-{i:05d}", *pair) for i, pair in enumerate(pairs[:n_test])]
-    train = [_record(f"tool-train-{i:05d}", *pair) for i, pair in enumerate(pairs[n_test:])]
+    ops = random.Random(seed + 1).choices(list(OPS), k=len(pairs))
+    records = [(pair, op) for pair, op in zip(pairs, ops, strict=True)]
+    test = [_record(f"tool-test-{i:05d}", *pair, op) for i, (pair, op) in enumerate(records[:n_test])]
+    train = [_record(f"tool-train-{i:05d}", *pair, op) for i, (pair, op) in enumerate(records[n_test:])]
     return train, test
 
 
