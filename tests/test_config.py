@@ -16,7 +16,11 @@ from areal_hpc.config.docs import render_markdown
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 STANDALONE = {"toy-cpu.yaml", "toy-sft.yaml", "qwen3-1.7b-8gpu.yaml"}  # the other shipped configs are layers
-BASES = {"toy-code.yaml": "toy-cpu.yaml", "toy-tools.yaml": "toy-cpu.yaml", "toy-tools-sft.yaml": "toy-cpu.yaml"}  # the base of a layer, when not qwen3-1.7b-8gpu.yaml
+BASES = {
+    "toy-code.yaml": "toy-cpu.yaml",
+    "toy-tools.yaml": "toy-cpu.yaml",
+    "toy-tools-sft.yaml": "toy-cpu.yaml",
+}  # the base of a layer, when not qwen3-1.7b-8gpu.yaml
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:

@@ -176,10 +176,14 @@ def test_an_interrupted_turn_resumes_with_its_tokens_and_tags_each_with_its_vers
 
 
 def test_a_conversation_that_fills_the_servers_context_ends_there(client, tiny_tokenizer):
-    first = ChatRenderer(tiny_tokenizer, [CALCULATOR.schema()]).first([{"role": "user", "content": RECORD.prompt}])
+    first = ChatRenderer(tiny_tokenizer, [CALCULATOR.schema()]).first(
+        [{"role": "user", "content": RECORD.prompt}]
+    )
     full = services(tiny_tokenizer)
     full.max_context = len(first) + 10  # room for 9 new tokens: turn 1 gets them, turn 2 none
-    result = run_group(full, two_turns, client, RECORD, {**PARAMS, "max_new_tokens": 50}, group_size=2, timeout=60)
+    result = run_group(
+        full, two_turns, client, RECORD, {**PARAMS, "max_new_tokens": 50}, group_size=2, timeout=60
+    )
     assert result.counts["turns"] == 2 and result.counts["context_full"] == 2
     for (sample,) in result.samples:
         assert len(sample.ids) <= len(first) + 9 and sample.truncated
