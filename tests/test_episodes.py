@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,12 +16,12 @@ from areal_hpc.agent import ChatRenderer, Toolbox, Trajectory, drifts, export, l
 from areal_hpc.agent.tools import CALCULATOR
 from areal_hpc.config import load_config
 from areal_hpc.control.manifest import write_manifest
-from areal_hpc.data import PromptSample
+from areal_hpc.data import PromptSample, read_batch
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient
 from areal_hpc.gen.episode import EpisodeContext, Services
-from areal_hpc.gen.episodes import GroupTimeout, episode_stats, run_group
+from areal_hpc.gen.episodes import Episodes, GroupTimeout, episode_stats, episodes_step, run_group
 from areal_hpc.gen.rollout import pack_episodes
 from tests.helpers import REPO_ROOT as REPO
 
@@ -187,3 +188,28 @@ def test_a_conversation_that_fills_the_servers_context_ends_there(client, tiny_t
     assert result.counts["turns"] == 2 and result.counts["context_full"] == 2
     for (sample,) in result.samples:
         assert len(sample.ids) <= len(first) + 9 and sample.truncated
+
+
+async def two_turns_but_q2_hangs(ctx, record):
+    if record.query_id == "q2":
+        await asyncio.sleep(3600)
+    return await two_turns(ctx, record)
+
+
+def test_a_synchronous_step_writes_the_groups_that_ended_and_names_those_dropped(
+    client, tiny_tokenizer, tmp_path
+):
+    cfg = load_config(
+        [REPO / "configs/toy-cpu.yaml"],
+        ["rollout.workflow=tests.test_episodes:two_turns_but_q2_hangs", "rollout.tools=[calculator]",
+         "rollout.episode_timeout_secs=8", "group_size=2"],
+    )  # fmt: skip
+    episodes = Episodes(cfg, services(tiny_tokenizer))
+    prompts = [replace(RECORD, query_id=q) for q in ("q1", "q2", "q3")]
+    path, stats, kept, dropped = episodes_step(
+        [client], episodes, prompts, cfg, tmp_path / "step.h5", epoch=0
+    )
+    assert (kept, dropped) == (["q1", "q3"], ["q2"]) and stats["rollout/dropped_groups"] == 1
+    arrays = read_batch(path)
+    assert arrays["group_ids"].tolist() == [0, 0, 1, 1]  # concat: one row per episode, two episodes a group
+    assert stats["rollout/turns_per_episode"] == 2 and stats["rollout/tool_calls_per_episode"] == 0

@@ -93,9 +93,9 @@ def toy_job(slurm_env, tmp_path, tiny_model_dir, tiny_build):
     (a failed test must not leave it to hold nodes that the next test needs)."""
     jobs = []
 
-    def toy_job(fault: Fault):
+    def toy_job(fault: Fault, *extra: str):
         data = tiny_build.root / "data" / "easy"
-        run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, data, fault.name, STEPS, *RECOVER)
+        run, (job_id,) = submit_toy(tmp_path, tiny_model_dir, data, fault.name, STEPS, *RECOVER, *extra)
         jobs.append(job_id)
         return run, job_id
 
@@ -107,17 +107,22 @@ def toy_job(slurm_env, tmp_path, tiny_model_dir, tiny_build):
 # --- the faults ---------------------------------------------------------------------------------------------
 
 
+EPISODES = ("rollout.workflow=tool_loop", "rollout.tools=[calculator]", "rollout.max_turns=2")
+
+
 @pytest.mark.parametrize(
-    "role, name",
+    "role, name, extra",
     [  # all slow: test_slurm_requeue.py kills a trainer in `make test`
-        pytest.param("trainer", "trainer-kill", marks=pytest.mark.slow),
-        pytest.param("controller", "controller-kill", marks=pytest.mark.slow),
-        pytest.param("gen_server", "gen-server-kill", marks=pytest.mark.slow),
+        pytest.param("trainer", "trainer-kill", (), marks=pytest.mark.slow),
+        pytest.param("controller", "controller-kill", (), marks=pytest.mark.slow),
+        pytest.param("gen_server", "gen-server-kill", (), marks=pytest.mark.slow),
+        # The controller rolls out multi-turn episodes (synchronous RL): those in flight are redone.
+        pytest.param("controller", "controller-kill-episodes", EPISODES, marks=pytest.mark.slow),
     ],
 )
-def test_a_role_killed_at_a_random_step(slurm_env, draw, toy_job, say, role, name):
+def test_a_role_killed_at_a_random_step(slurm_env, draw, toy_job, say, role, name, extra):
     fault = draw(name)
-    run, job_id = toy_job(fault)
+    run, job_id = toy_job(fault, *extra)
     victim = wait_role(run, role, 0)
     strike(run, fault, lambda: os.kill(victim, signal.SIGKILL))
     check_survived(slurm_env, run, job_id, fault, say)

@@ -35,6 +35,7 @@ PER_EPISODE = (
     "breaks",
     "drifted_turns",
     "interrupted_turns",
+    "context_full",
 )
 EPISODE_COUNTS = (*PER_EPISODE, "tokens", "sampled_tokens")  # what a group's file records of its episodes
 
@@ -47,9 +48,7 @@ class GroupTimeout(RuntimeError):
 class GroupResult:
     samples: list[list[Sample]]  # each episode's
     rewards: list[float]  # each episode's task reward (the mean of its turns' when given per turn)
-    counts: Counter = field(
-        default_factory=Counter
-    )  # summed over the episodes: turns, tool calls, tokens, ...
+    counts: Counter = field(default_factory=Counter)  # summed over the episodes (EPISODE_COUNTS)
     secs: float = 0.0
 
 
@@ -115,7 +114,7 @@ def run_group(
 
 async def _episodes(workflow: Callable, contexts: list[EpisodeContext], record, timeout: float) -> list:
     tasks = [asyncio.ensure_future(workflow(ctx, record)) for ctx in contexts]
-    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
     if pending:
         for ctx in contexts:
             ctx.cancel()  # aborts their requests, so that their threads end now
