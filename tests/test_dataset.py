@@ -70,7 +70,10 @@ def test_defaults_and_lenient_fields(tmp_path):
     ]
     records = read_prompt_records(write_lines(tmp_path / "d.jsonl", lines))
     tests = CodeTests(("1 2",), ("3",))
-    assert records == [("7", "p", "math", ("\\boxed{1}",), None, None), ("c", "add", "code", (), tests, None)]
+    assert records == [
+        ("7", "p", "math", ("\\boxed{1}",), None, None, None),
+        ("c", "add", "code", (), tests, None, None),
+    ]
 
 
 @pytest.mark.parametrize(
