@@ -40,7 +40,8 @@ class ChatRenderer:
             )
         self.end_of_turn = first[0]  # the token that ends a model turn (Qwen: <|im_end|>)
         self._end_text = tokenizer.decode([self.end_of_turn])
-        if self.end_of_turn not in {*tokenizer.all_special_ids, *getattr(tokenizer, "added_tokens_decoder", {})}:
+        special = {*tokenizer.all_special_ids, *getattr(tokenizer, "added_tokens_decoder", {})}
+        if self.end_of_turn not in special:
             raise ChatTemplateError(
                 f"the chat template ends an assistant turn with {tail!r}, whose first token {self._end_text!r} is "
                 "not a special token: the end of a turn must be one token that the model samples"
