@@ -113,6 +113,9 @@ def run_group(
 
 
 async def _episodes(workflow: Callable, contexts: list[EpisodeContext], record, timeout: float) -> list:
+    # Each episode waits on one blocking call at a time (a request, a tool): a thread each, and as many again
+    # for workflows that gather calls. asyncio's default pool (CPUs + 4) would queue a group's turns.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * len(contexts)))
     tasks = [asyncio.ensure_future(workflow(ctx, record)) for ctx in contexts]
     _, pending = await asyncio.wait(tasks, timeout=timeout)
     if pending:
