@@ -103,7 +103,7 @@ def test_the_dataset_line_is_a_valid_dataset(tmp_path):
     (line,) = blocks("json")
     (tmp_path / "d.jsonl").write_text(line)
     assert read_prompt_records(tmp_path / "d.jsonl") == [
-        ("q1", "What is 3 + 4?", "math", ("\\boxed{7}",), None, None)
+        ("q1", "What is 3 + 4?", "math", ("\\boxed{7}",), None, None, None)
     ]
 
 

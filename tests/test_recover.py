@@ -195,7 +195,8 @@ def test_a_step_records_its_groups_and_the_dropped_ones_by_prompt_epoch(tmp_path
     run = RunDir(tmp_path)
     source = StoreRollouts(load_config(), run, StepGuard())
     source.store.put_dropped(0, 7, 1.0, "d", 1)
-    source.consumed(4, StepBatch([], [("a", 0), ("b", 1)]))  # step 4 ends: recorded as step 5
+    source.dropped = source.store.dropped()  # as `next` takes them with the step's groups
+    source.consumed(4, StepBatch([], [("a", 0), ("b", 1)], dropped=[("d", 1)]))  # step 4 ends: recorded as 5
     records = [(r.epoch, r.step, r.ids, r.dropped) for r in Ledger(run.ledger).records()]
     assert records == [(0, 5, ("a",), False), (1, 5, ("b",), False), (1, 5, ("d",), True)]
     assert source.store.dropped() == []  # recorded once

@@ -79,9 +79,8 @@ class EpisodeContext:
         self._cancel = threading.Event()
         self._running: set[str] = set()  # ids of the requests in flight, aborted on cancel
         self._renderers: dict[str, ChatRenderer] = {}
-        self._chat: tuple[ChatRenderer, list[dict]] | None = (
-            None  # the conversation that the trajectory holds
-        )
+        # The conversation the trajectory holds (its messages and replies) and the renderer that rendered it.
+        self._chat: tuple[ChatRenderer, list[dict]] | None = None
         self._calls: list = []  # the tool calls of the last reply
 
     # --- token in, token out ------------------------------------------------------------------------------
@@ -96,11 +95,8 @@ class EpisodeContext:
             self.trajectories.append(traj)
         traj.add_context(ids[len(traj.ids) :])
         params = self._turn_params(sampling)
-        room = (
-            self.services.max_context - len(ids) - 1
-            if self.services.max_context
-            else params["max_new_tokens"]
-        )
+        limit = self.services.max_context
+        room = limit - len(ids) - 1 if limit else params["max_new_tokens"]
         if room < 1:  # the conversation fills the servers' context: the episode can only end here
             self.counts["context_full"] += 1
             self.last_turn = Generation([], [], [], "length", "")
@@ -120,9 +116,8 @@ class EpisodeContext:
     def _turn_params(self, sampling: dict | None) -> dict:
         params = {**self.params, **(sampling or {}), "n": 1}
         if params.get("sampling_seed") is not None:  # each episode and turn a stream of its own
-            params["sampling_seed"] = (
-                params["sampling_seed"] + 1009 * self.index + 7919 * self.counts["turns"]
-            ) % (2**31)
+            seed = params["sampling_seed"] + 1009 * self.index + 7919 * self.counts["turns"]
+            params["sampling_seed"] = seed % 2**31
         return params
 
     def _sample(self, ids: list[int], params: dict) -> PartialAnswer:
