@@ -3,7 +3,8 @@
 Rollout workers each own a shard of the prompts (`ShardedSampler` rank i of n_rollout_workers) and run
 several rollouts at once on threads. Before starting a group, a thread asks the `GenerationManager` for a
 rollout (the staleness bound); the group's group_size answers go to one server as one request and are
-continued after interruptions (`partial.generate_group`); their task's reward scores them; a group whose success
+continued after interruptions (`partial.generate_group`), or, with a multi-turn workflow, its group_size
+episodes run there side by side (`gen.episodes`); their task's reward scores them; a group whose success
 rate is outside [success_rate_lb, success_rate_ub] is dropped (a marker in the store says so), any other is
 written to the store. A resumed run skips the prompts that are already used in their epoch (`done`: trained
 on or dropped, from the ledger, or waiting in the store).
