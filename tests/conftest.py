@@ -41,6 +41,23 @@ def tiny_model_dir(tiny_build: TinyBuild) -> Path:
     return tiny_build.model_dir
 
 
+@pytest.fixture
+def builtin_client(tiny_model_dir: Path):
+    """A client of a built-in generation server (engine + HTTP on a thread of this process) on the tiny model."""
+    import threading
+
+    from areal_hpc.gen.backends.builtin.engine import Engine
+    from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
+    from areal_hpc.gen.client import GenClient
+
+    engine = Engine(str(tiny_model_dir), seed=0, max_batch_size=8).start()
+    httpd = GenHTTPServer(("127.0.0.1", 0), App(engine, {}), "test-token")
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "test-token", timeout=120)
+    httpd.shutdown()
+    engine.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir: Path):
     """The tiny model's tokenizer (shared by the session: do not mutate it)."""

@@ -1,16 +1,30 @@
-"""Bad workflows, tools and worked conversations are refused before anything is submitted, each naming its key
-(or its file and line), all at once."""
+"""Bad workflows, tools, agents and worked conversations are refused before anything is submitted, each naming
+its key (or its file and line), all at once."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from areal_hpc.cli import main
+from areal_hpc.launch.preflight import check_inputs
 from tests.helpers import REPO_ROOT
 
 TOY = str(REPO_ROOT / "configs" / "toy-cpu.yaml")
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """tests/plugins importable here and in the roles of a run."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
+    )
 
 
 @pytest.mark.parametrize(
@@ -26,13 +40,61 @@ TOY = str(REPO_ROOT / "configs" / "toy-cpu.yaml")
         (["rollout.workflow=tool_loop", "rollout.tools=[json:dumps]"], "a function, not an areal_hpc.agent.tools.Tool"),
         (["rollout.max_turns=3"], "'rollout.max_turns' does nothing here"),
         (["rollout.workflow=tool_loop", "rollout.export=per_step"], "'rollout.export'"),
+        (["rollout.agent=solve"], "'rollout.agent' is 'solve': not a registered name (registered: none)"),
+        (["rollout.agent=my agents:solve"], "'rollout.agent' is 'my agents:solve'; write 'module.path:attribute'"),
+        (["rollout.agent=agent_fns:not_async"],
+         "'rollout.agent' is 'agent_fns:not_async', which is not an async function: write "
+         "`async def not_async(base_url, api_key, record)`"),
+        (["rollout.agent=agent_fns:takes_two"],
+         "'rollout.agent' is 'agent_fns:takes_two'(base_url, record), which does not take (base_url, api_key, "
+         "record)"),
+        (["rollout.agent_command=python -c \"print(1)"],
+         "'rollout.agent_command' is 'python -c \"print(1)', which does not split into words like a shell line"),
+        (["rollout.agent_command= "], "'rollout.agent_command' is empty"),
+        (["rollout.agent_command=no-such-agent --fast"],
+         "'rollout.agent_command': program 'no-such-agent' is not found (not on PATH, or not executable)"),
+        (["rollout.agent=agent_fns:solve", "rollout.agent_model=my model"],
+         "'rollout.agent_model' is 'my model'; give a model name without whitespace"),
+        (["rollout.agent_model=gpt-4o"], "'rollout.agent_model' does nothing here"),
+        (["rollout.agent=agent_fns:solve", "rollout.agent_output_bytes=4096"],
+         "'rollout.agent_output_bytes' does nothing here"),
+        (["experiment_type=sft", "actor.interface=sft", "rollout.agent=agent_fns:solve"],
+         "'rollout.agent' does nothing here: a supervised warm-up"),
     ],
 )  # fmt: skip
-def test_a_bad_workflow_or_tool_is_named_before_anything_is_written(toy, capsys, overrides, message):
+def test_a_bad_workflow_tool_or_agent_is_named_before_submit(plugins, toy, capsys, overrides, message):
     code = main(["submit", "--dry-run", TOY, *toy.overrides("bad", 2, *overrides)])
     assert code == 2
     assert message in capsys.readouterr().err
     assert not toy.fileroot.exists() or sorted(p.name for p in toy.fileroot.iterdir()) == []
+
+
+def test_an_agent_with_a_workflow_or_another_agent_is_refused_all_at_once(toy, capsys):
+    overrides = [
+        "rollout.workflow=tool_loop",
+        "rollout.agent=agents:solve",
+        f"rollout.agent_command={sys.executable}",
+        "rollout.agent_model=",
+    ]
+    assert main(["submit", "--dry-run", TOY, *toy.overrides("bad", 2, *overrides)]) == 2
+    err = capsys.readouterr().err
+    assert "'rollout.agent' and 'rollout.agent_command' are both set: set one" in err
+    assert "'rollout.agent_model' is ''; give a model name without whitespace" in err
+    assert (
+        "'rollout.workflow' is 'tool_loop', but 'rollout.agent' and 'rollout.agent_command' are set: the agent "
+        "replaces the workflow; leave rollout.workflow unset"
+    ) in err
+
+
+@pytest.mark.parametrize(
+    "agent",
+    ["rollout.agent=agent_fns:solve", f"rollout.agent_command={sys.executable} -c 'print(1)'"],
+)
+def test_an_agent_function_or_program_is_accepted_with_its_options(plugins, toy, agent):
+    cfg = toy.config("agent", 2, agent, "rollout.agent_model=my-policy", "rollout.episode_timeout_secs=30")
+    check_inputs(cfg)
+    assert cfg.rollout.agent_model == "my-policy"
+    assert cfg.rollout.episode_timeout_secs == 30
 
 
 @pytest.mark.parametrize(

@@ -52,3 +52,23 @@ def test_an_asynchronous_run_trains_two_turn_episodes_and_drops_the_groups_that_
     assert dropped and all(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in dropped)
     assert not any(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in trained)
     assert sum(r["rollout/dropped_groups"] for r in rows) == len(dropped)
+
+
+def test_an_agent_written_against_the_openai_sdk_is_trained_as_it_is(plugins, toy):
+    steps = 3
+    cfg = toy.config(
+        "sdk-agent", steps, "async_rl=true", "max_head_offpolicyness=1", "n_rollout_workers=1",
+        "rollout.agent=sdk_agents:three_turns", "logging.progress=false",
+    )  # fmt: skip
+    assert run_local(cfg) == 0
+    run = run_dir_of(cfg)
+    rows = [r for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        # 4 prompts x 2 episodes, each one conversation of three chat calls through the endpoint.
+        assert r["ppo_actor/n_seqs"] == 8 and r["rollout/turns_per_episode"] == 3
+        assert r["rollout/breaks_per_episode"] == 0 and r["rollout/replayed_turns_per_episode"] == 0
+        assert 0 < r["rollout/masked_token_share"] < 1
+    trained = [i for r in Ledger(run.ledger).records() for i in r.ids]
+    assert len(trained) == 4 * steps and len(set(trained)) == len(trained)
+    assert not list(run.episodes.glob("epoch*/*/*.jsonl"))  # each group's journals went with it

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,8 +110,10 @@ def extension_problems(cfg: ExperimentConfig) -> list[str]:
         "dataset.loader": cfg.dataset.loader,
         "actor.interface": cfg.actor.interface,
         "rollout.workflow": cfg.rollout.workflow,
+        "rollout.agent": cfg.rollout.agent,
     }
     out = [p for field, spec in specs.items() if (p := extensions.spec_problem(field, spec))]
+    out += agent_problems(cfg)
     out += [p for spec in cfg.rollout.tools if (p := extensions.spec_problem("rollout.tools", spec))]
     if len(set(cfg.rollout.tools)) != len(cfg.rollout.tools):
         out.append(f"'rollout.tools' names a tool twice: {cfg.rollout.tools}")
@@ -126,6 +130,39 @@ def extension_problems(cfg: ExperimentConfig) -> list[str]:
             f"experiment_type {cfg.experiment_type} takes {mine!r} (or null)"
         )
     return out
+
+
+def agent_problems(cfg: ExperimentConfig) -> list[str]:
+    """An agent trained as it is (rollout.agent or rollout.agent_command) in place of the workflow: one of
+    them, a program that is there, a model name the OpenAI endpoint can serve."""
+    rollout, out = cfg.rollout, []
+    agents = [key for key in ("agent", "agent_command") if getattr(rollout, key) is not None]
+    if len(agents) == 2:
+        out.append("'rollout.agent' and 'rollout.agent_command' are both set: set one")
+    if agents and rollout.workflow != "single_turn":
+        named = " and ".join(f"'rollout.{key}'" for key in agents) + (" is" if len(agents) == 1 else " are")
+        out.append(
+            f"'rollout.workflow' is {rollout.workflow!r}, but {named} set: the agent replaces the workflow; "
+            "leave rollout.workflow unset"
+        )
+    if rollout.agent_command is not None:
+        out += _command_problems(rollout.agent_command)
+    if not rollout.agent_model or any(c.isspace() for c in rollout.agent_model):
+        out.append(f"'rollout.agent_model' is {rollout.agent_model!r}; give a model name without whitespace")
+    return out
+
+
+def _command_problems(command: str) -> list[str]:
+    key = "'rollout.agent_command'"
+    try:
+        words = shlex.split(command)
+    except ValueError as exc:
+        return [f"{key} is {command!r}, which does not split into words like a shell line: {exc}"]
+    if not words:
+        return [f"{key} is empty: give the program to start per episode, and its arguments"]
+    if shutil.which(words[0]) is None:
+        return [f"{key}: program {words[0]!r} is not found (not on PATH, or not executable)"]
+    return []
 
 
 def allocation_problems(cfg: ExperimentConfig) -> list[str]:

@@ -5,6 +5,7 @@
     actor.interface  what a trainer rank does on the actor's calls           'ppo_actor', 'sft'; group areal_hpc.interfaces
     rollout.workflow what one episode is                                     'single_turn', 'tool_loop'; group areal_hpc.workflows
     rollout.tools    a tool the model may call in tool_loop                  'calculator', 'python'; group areal_hpc.tools
+    rollout.agent    an agent trained as it is, through the OpenAI API       group areal_hpc.agents
 
 A name without ':' is a built-in or an entry point of an installed package, which registers it in its pyproject:
 [project.entry-points."areal_hpc.reward_fns"] my-score = "my_pkg.rewards:score". `spec_problem` checks the form
@@ -37,6 +38,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "calculator": "areal_hpc.agent.tools:CALCULATOR",
         "python": "areal_hpc.agent.tools:PYTHON",
     },
+    "rollout.agent": {},
 }
 GROUPS = {
     "reward.fn": "areal_hpc.reward_fns",
@@ -44,6 +46,7 @@ GROUPS = {
     "actor.interface": "areal_hpc.interfaces",
     "rollout.workflow": "areal_hpc.workflows",
     "rollout.tools": "areal_hpc.tools",
+    "rollout.agent": "areal_hpc.agents",
 }
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 

@@ -43,6 +43,10 @@ def _rl(cfg: ExperimentConfig) -> bool:
     return cfg.experiment_type == "ppo"
 
 
+def _agent(cfg: ExperimentConfig) -> bool:
+    return cfg.rollout.agent is not None or cfg.rollout.agent_command is not None
+
+
 def _gen_backend(cfg: ExperimentConfig) -> str | None:
     try:
         return alloc.parse_allocation_mode(cfg.allocation_mode).gen_backend or cfg.colocated_gen_backend
@@ -103,10 +107,25 @@ RULES = (
         "a supervised warm-up (experiment_type: sft) runs no episodes",
     ),
     Rule(
+        ("rollout.agent", "rollout.agent_command"), ("experiment_type",), lambda c: not _rl(c),
+        "a supervised warm-up (experiment_type: sft) runs no episodes",
+    ),
+    Rule(
         ("rollout.export", "rollout.turn_discount", "rollout.episode_timeout_secs"),
-        ("rollout.workflow", "experiment_type"),
-        lambda c: c.rollout.workflow == "single_turn" or not _rl(c),
-        "it applies to multi-turn workflows (rollout.workflow other than single_turn)",
+        ("rollout.workflow", "rollout.agent", "rollout.agent_command", "experiment_type"),
+        lambda c: (c.rollout.workflow == "single_turn" and not _agent(c)) or not _rl(c),
+        "it applies to multi-turn workflows and agents (rollout.workflow other than single_turn, rollout.agent, "
+        "rollout.agent_command)",
+    ),
+    Rule(
+        ("rollout.agent_model",), ("rollout.agent", "rollout.agent_command", "experiment_type"),
+        lambda c: not _agent(c) or not _rl(c),
+        "it applies to agents trained as they are (rollout.agent, rollout.agent_command), in RL",
+    ),
+    Rule(
+        ("rollout.agent_output_bytes",), ("rollout.agent_command", "experiment_type"),
+        lambda c: c.rollout.agent_command is None or not _rl(c),
+        "it applies to the program of rollout.agent_command, in RL (experiment_type: ppo)",
     ),
     Rule(
         ("rollout.tools",), ("rollout.workflow", "experiment_type"),

@@ -321,6 +321,30 @@ class RolloutConfig:
         "An episode running longer than this is given up; its group is dropped, logged and counted.",
         gt=0,
     )
+    agent: str | None = opt(
+        None,
+        "An agent to train as it is: 'module:function', an async function (base_url, api_key, record) -> reward "
+        "that reaches the model through the OpenAI API at base_url with that key (docs/agents.md). It replaces "
+        "rollout.workflow.",
+    )
+    agent_command: str | None = opt(
+        None,
+        "A program started per episode, trained as it is: OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL in "
+        "its environment, the prompt's dataset record as one JSON object on its stdin; its reward is the last "
+        "line of its stdout, a number. Killed at rollout.episode_timeout_secs; its output is kept per episode "
+        "(docs/agents.md).",
+    )
+    agent_model: str = opt(
+        "policy",
+        "The model name the OpenAI endpoint serves to rollout.agent or rollout.agent_command; a request naming "
+        "another model gets 404.",
+    )
+    agent_output_bytes: int = opt(
+        65536,
+        "rollout.agent_command: the bytes of its stdout and of its stderr kept per episode (the rest is cut, "
+        "and the cut says so).",
+        ge=1024,
+    )
 
 
 @dataclass
@@ -377,7 +401,9 @@ class ExperimentConfig:
     dataset: DatasetConfig = opt(DatasetConfig, "Training prompts and batch size.")
     group_size: int = opt(16, "Answers sampled per prompt.", ge=1)
     ppo: PPOConfig = opt(PPOConfig, "The PPO/GRPO algorithm.")
-    rollout: RolloutConfig = opt(RolloutConfig, "What an episode is: one answer, or turns with tool calls.")
+    rollout: RolloutConfig = opt(
+        RolloutConfig, "What an episode is: one answer, turns with tool calls, or an agent trained as it is."
+    )
     async_rl: bool = opt(
         False,
         "Asynchronous RL: a rollout role generates while the trainers train (REFERENCE.md section 4); "

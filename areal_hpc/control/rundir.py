@@ -128,6 +128,11 @@ class RunDir:
         return self.root / "rollouts"
 
     @property
+    def episodes(self) -> Path:
+        """Journals of the multi-turn episodes in flight: a resumed run replays their completed turns."""
+        return self.root / "episodes"
+
+    @property
     def weights(self) -> Path:
         return self.root / "weights"
 
@@ -191,6 +196,11 @@ class RunDir:
     def plots(self) -> Path:
         """`areal-hpc plot`'s PNGs."""
         return self.logs / "plots"
+
+    @property
+    def agent_logs(self) -> Path:
+        """The stdout and stderr of each episode's agent program (rollout.agent_command)."""
+        return self.logs / "agents"
 
     @property
     def failed_attempts(self) -> Path:

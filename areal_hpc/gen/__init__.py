@@ -8,6 +8,9 @@ rollout         one synchronous step: prompts -> servers -> math reward -> a pac
 rollout_worker  the rollout workers of asynchronous RL
 episode         the context a multi-turn workflow runs with (generate, chat, tools, reward), recording its tokens
 episodes        a prompt's group of episodes, run and exported as samples; a synchronous step of them
+journal         each episode's completed generations, replayed when a restarted run resumes it
+endpoint        the OpenAI-compatible endpoint an agent reaches the policy through, a key per episode
+agents          the user's agent (a function or a program) as the workflow of its episodes
 manager         GenerationManager: the staleness bound and the choice of server
 partial         answers continued across weight updates (interruptible generation)
 """
@@ -23,6 +26,7 @@ from areal_hpc.gen.episodes import (
     is_single_turn,
     make_services,
 )
+from areal_hpc.gen.journal import Journals
 from areal_hpc.gen.rollout import group_params, rollout_step, sampling_params
 
 __all__ = [
@@ -30,6 +34,7 @@ __all__ = [
     "Episodes",
     "GenClient",
     "GenServerError",
+    "Journals",
     "ServerSpec",
     "discovery",
     "episode_stats",

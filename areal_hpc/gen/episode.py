@@ -20,7 +20,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from areal_hpc.agent import (
@@ -33,6 +33,7 @@ from areal_hpc.agent import (
     parse_tool_calls,
     to_openai,
 )
+from areal_hpc.gen.journal import Entry, Journal, Journals, request_key
 from areal_hpc.gen.partial import PartialAnswer, finish, from_response
 
 
@@ -62,13 +63,30 @@ class Services:
     version_now: Callable[[], int] | None = None  # None: interruptible (the server tags each part)
     stop: threading.Event | None = None  # the role stops: requests waiting for admission give up
     max_context: int | None = None  # prompt + new tokens a server takes (its context length); None: no bound
+    journals: Journals | None = None  # where episodes record their generations (None: nowhere, no resume)
 
 
 class EpisodeContext:
-    """One episode: index ``index`` of its prompt's group, generating on ``client`` with ``params``."""
+    """One episode: index ``index`` of its prompt's group in ``epoch``, generating on ``client`` with ``params``."""
 
-    def __init__(self, services: Services, client, record, params: dict, index: int):
-        self.services, self.client, self.record, self.index = services, client, record, index
+    def __init__(
+        self,
+        services: Services,
+        client,
+        record,
+        params: dict,
+        index: int,
+        journal: Journal | None = None,
+        epoch: int = 0,
+    ):
+        self.services, self.client, self.record, self.index, self.epoch = (
+            services,
+            client,
+            record,
+            index,
+            epoch,
+        )
+        self.journal = journal  # its completed generations, replayed after a restart (gen.journal)
         self.tokenizer, self.options = services.tokenizer, services.options
         self.last_turn: Generation | None = None
         self.params = {**params, "n": 1}
@@ -85,8 +103,12 @@ class EpisodeContext:
 
     # --- token in, token out ------------------------------------------------------------------------------
 
-    async def generate(self, ids: Sequence[int], sampling: dict | None = None) -> Generation:
-        """Sample a turn after ``ids``: ``sampling`` overrides the run's sampling params (ppo.gen)."""
+    async def generate(
+        self, ids: Sequence[int], sampling: dict | None = None, stop: Sequence[str] = ()
+    ) -> Generation:
+        """Sample a turn after ``ids``: ``sampling`` overrides the run's sampling params (ppo.gen); the turn ends
+        at the first of the ``stop`` strings (its tokens up to the one that completes it are kept; its text ends
+        before it). A turn recorded in the episode's journal before a restart is answered from there."""
         ids = list(ids)
         traj = self.trajectories[-1] if self.trajectories else None
         if traj is None or not traj.extends(ids):
@@ -102,16 +124,30 @@ class EpisodeContext:
             self.last_turn = Generation([], [], [], "length", "")
             return self.last_turn
         params["max_new_tokens"] = min(params["max_new_tokens"], room)
+        key = request_key(ids, params, stop)
+        if (entry := self.journal.replay(key) if self.journal else None) is not None:
+            turn = Generation(entry.ids, entry.logprobs, entry.versions, entry.finish, "")
+            self.counts["replayed_turns"] += 1
+        else:
+            turn = await self._live(ids, params, stop)
+            if self.journal:
+                self.journal.append(Entry(key, turn.ids, turn.logprobs, turn.versions, turn.finish))
+        traj.add_turn(turn.ids, turn.logprobs, turn.versions, turn.finish)
+        self.counts["turns"] += 1
+        self.counts["drifted_turns"] += drifts(self.tokenizer, turn.ids)
+        text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
+        self.last_turn = replace(turn, text=cut_text(text, stop))
+        return self.last_turn
+
+    async def _live(self, ids: list[int], params: dict, stop: Sequence[str]) -> Generation:
         answer = await asyncio.to_thread(self._sample, ids, params)
+        self.counts["interrupted_turns"] += answer.n_parts > 1
+        out, logprobs = list(answer.output_ids), list(answer.logprobs)
         versions = [v for part in answer.parts for v in [part.first] * part.tokens]
         ended = "stop" if answer.finish == "stop" else "length"
-        traj.add_turn(list(answer.output_ids), list(answer.logprobs), versions, ended)
-        self.counts["turns"] += 1
-        self.counts["interrupted_turns"] += answer.n_parts > 1
-        self.counts["drifted_turns"] += drifts(self.tokenizer, answer.output_ids)
-        text = self.tokenizer.decode(list(answer.output_ids), skip_special_tokens=True)
-        self.last_turn = Generation(list(answer.output_ids), list(answer.logprobs), versions, ended, text)
-        return self.last_turn
+        if stop and (k := stop_length(self.tokenizer, out, stop)) is not None:
+            out, logprobs, versions, ended = out[:k], logprobs[:k], versions[:k], "stop"
+        return Generation(out, logprobs, versions, ended, "")
 
     def _turn_params(self, sampling: dict | None) -> dict:
         params = {**self.params, **(sampling or {}), "n": 1}
@@ -149,10 +185,18 @@ class EpisodeContext:
 
     # --- chat ---------------------------------------------------------------------------------------------
 
-    async def chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> dict:
+    async def chat(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        sampling: dict | None = None,
+        stop: Sequence[str] = (),
+        parse_tools: bool = True,
+    ) -> dict:
         """The assistant's reply to ``messages`` (OpenAI-style dicts; ``tools``: function schemas), its tool calls
-        parsed into ``tool_calls``. When ``messages`` extend the conversation so far (earlier messages and
-        replies, unchanged), only the new messages' tokens are appended to the sampled ids."""
+        parsed into ``tool_calls`` (``parse_tools`` false: the whole text is the content). When ``messages``
+        extend the conversation so far (earlier messages and replies, unchanged), only the new messages' tokens
+        are appended to the sampled ids. ``sampling`` and ``stop``: as for generate."""
         renderer = self._renderer(tools)
         messages = list(messages)
         traj = self.trajectories[-1] if self.trajectories else None
@@ -162,9 +206,9 @@ class EpisodeContext:
             ids = traj.ids + renderer.after_turn(new, traj.ids[last.start : last.end])
         else:
             ids = renderer.first(messages)
-        turn = await self.generate(ids)
-        self._calls = parse_tool_calls(turn.text)
-        reply: dict = {"role": "assistant", "content": content_of(turn.text)}
+        turn = await self.generate(ids, sampling, stop)
+        self._calls = parse_tool_calls(turn.text) if parse_tools else []
+        reply: dict = {"role": "assistant", "content": content_of(turn.text) if parse_tools else turn.text}
         if calls := to_openai(self._calls):
             reply["tool_calls"] = calls
         self._chat = (renderer, [*messages, reply])
@@ -233,4 +277,28 @@ class EpisodeContext:
     def stats(self) -> dict[str, float]:
         tokens = sum(len(t.ids) for t in self.trajectories)
         sampled = sum(t.n_sampled for t in self.trajectories)
-        return {**self.counts, "tool_secs": self.tool_secs, "tokens": tokens, "sampled_tokens": sampled}
+        mismatched = bool(self.journal and self.journal.mismatched)
+        return {**self.counts, "tool_secs": self.tool_secs, "tokens": tokens, "sampled_tokens": sampled,
+                "replay_mismatches": int(mismatched)}  # fmt: skip
+
+
+def stop_length(tokenizer, ids: list[int], stop: Sequence[str]) -> int | None:
+    """The fewest of ``ids`` whose text holds one of the ``stop`` strings (None: none does)."""
+
+    def holds(k: int) -> bool:
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        return any(s and s in text for s in stop)
+
+    if not holds(len(ids)):
+        return None
+    low, high = 1, len(ids)  # holds(high); find the least such k
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(mid) else (mid + 1, high)
+    return low
+
+
+def cut_text(text: str, stop: Sequence[str]) -> str:
+    """The text before the first of the ``stop`` strings it holds (as OpenAI's API returns it)."""
+    hits = [i for s in stop if s and (i := text.find(s)) >= 0]
+    return text[: min(hits)] if hits else text

@@ -23,6 +23,8 @@ from transformers import AutoConfig
 from areal_hpc.agent import Sample, Toolbox, export, load_tools, workflows
 from areal_hpc.config import ExperimentConfig, extensions, gen_backend
 from areal_hpc.data import write_batch
+from areal_hpc.gen.agents import AgentError, command_agent, function_agent
+from areal_hpc.gen.endpoint import Endpoint
 from areal_hpc.gen.episode import EpisodeContext, Services
 from areal_hpc.gen.rollout import group_params, pack_episodes
 
@@ -36,12 +38,28 @@ PER_EPISODE = (
     "drifted_turns",
     "interrupted_turns",
     "context_full",
+    "replayed_turns",
+    "replay_mismatches",
 )
 EPISODE_COUNTS = (*PER_EPISODE, "tokens", "sampled_tokens")  # what a group's file records of its episodes
 
 
-class GroupTimeout(RuntimeError):
-    """A group's episodes did not end in time; they were given up."""
+class GroupDropped(RuntimeError):
+    """A group's episodes were given up; ``reason`` goes with its drop marker and its line in the ledger."""
+
+    reason = "dropped"
+
+
+class GroupTimeout(GroupDropped):
+    """A group's episodes did not end in time."""
+
+    reason = "timeout"
+
+
+class AgentFailed(GroupDropped):
+    """The user's agent failed an episode of the group (gen.agents)."""
+
+    reason = "agent_error"
 
 
 @dataclass
@@ -54,6 +72,8 @@ class GroupResult:
 
 def is_single_turn(cfg: ExperimentConfig) -> bool:
     """The built-in single_turn runs as one request of group_size answers (gen.rollout), as before workflows."""
+    if cfg.rollout.agent or cfg.rollout.agent_command:
+        return False
     return extensions.load("rollout.workflow", cfg.rollout.workflow) is workflows.single_turn
 
 
@@ -83,22 +103,61 @@ def max_context(cfg: ExperimentConfig) -> int:
 class Episodes:
     """The groups of a rollout process: its workflow (rollout.workflow) over its services."""
 
-    def __init__(self, cfg: ExperimentConfig, services: Services):
+    def __init__(self, cfg: ExperimentConfig, services: Services, agent_logs: Path | None = None):
+        """``agent_logs``: where rollout.agent_command's output goes (RunDir.agent_logs)."""
         self.cfg, self.services = cfg, services
-        self.workflow = extensions.load("rollout.workflow", cfg.rollout.workflow)
+        r = cfg.rollout
+        self.endpoint = Endpoint(r.agent_model) if r.agent or r.agent_command else None
+        if r.agent:
+            self.workflow = function_agent(extensions.load("rollout.agent", r.agent), self.endpoint)
+        elif r.agent_command:
+            self.workflow = command_agent(r.agent_command, self.endpoint, agent_logs, r.agent_output_bytes)
+        else:
+            self.workflow = extensions.load("rollout.workflow", r.workflow)
+
+    def finished(self, record, epoch: int) -> None:
+        """The group of ``record`` in ``epoch`` is stored or dropped: its journals go."""
+        if self.services.journals:
+            self.services.journals.remove_group(epoch, record.query_id)
+
+    def close(self) -> None:
+        if self.endpoint:
+            self.endpoint.shutdown()
 
     def group(self, client, record, epoch: int) -> GroupResult:
         params = group_params(self.cfg, record.query_id, epoch)
         timeout = self.cfg.rollout.episode_timeout_secs
-        return run_group(self.services, self.workflow, client, record, params, self.cfg.group_size, timeout)
+        return run_group(
+            self.services, self.workflow, client, record, params, self.cfg.group_size, timeout, epoch
+        )
 
 
 def run_group(
-    services: Services, workflow: Callable, client, record, params: dict, group_size: int, timeout: float
+    services: Services,
+    workflow: Callable,
+    client,
+    record,
+    params: dict,
+    group_size: int,
+    timeout: float,
+    epoch: int = 0,
 ) -> GroupResult:
-    """Run the group's episodes (a new event loop in the calling thread); GroupTimeout past ``timeout``."""
+    """Run the group's episodes (a new event loop in the calling thread); GroupTimeout past ``timeout``. With
+    journals, an episode the prompt of ``epoch`` ran before a restart resumes at its last recorded turn."""
     start = time.monotonic()
-    contexts = [EpisodeContext(services, client, record, params, i) for i in range(group_size)]
+    journals = services.journals
+    contexts = [
+        EpisodeContext(
+            services,
+            client,
+            record,
+            params,
+            i,
+            journals.episode(epoch, record.query_id, i) if journals else None,
+            epoch,
+        )
+        for i in range(group_size)
+    ]
     rewards = asyncio.run(_episodes(workflow, contexts, record, timeout))
     options = services.options
     result = GroupResult([], [], secs=time.monotonic() - start)
@@ -117,15 +176,21 @@ async def _episodes(workflow: Callable, contexts: list[EpisodeContext], record, 
     # for workflows that gather calls. asyncio's default pool (CPUs + 4) would queue a group's turns.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * len(contexts)))
     tasks = [asyncio.ensure_future(workflow(ctx, record)) for ctx in contexts]
-    _, pending = await asyncio.wait(tasks, timeout=timeout)
-    if pending:
+    done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+    errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
+    if pending:  # out of time, or an episode failed: the others are given up
         for ctx in contexts:
             ctx.cancel()  # aborts their requests, so that their threads end now
         for task in pending:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        raise GroupTimeout(f"{len(pending)} of {len(tasks)} episodes still ran after {timeout:g} s")
-    return [task.result() for task in tasks]  # a workflow's own error fails the rollout: it is a bug to see
+        if not errors:
+            raise GroupTimeout(f"{len(pending)} of {len(tasks)} episodes still ran after {timeout:g} s")
+    if failed := [e for e in errors if isinstance(e, AgentError)]:
+        raise AgentFailed(str(failed[0])) from failed[0]
+    if errors:
+        raise errors[0]  # a workflow's own error fails the rollout: it is a bug to see
+    return [task.result() for task in tasks]
 
 
 def episode_stats(counts: Counter, episodes: int, n_dropped: int = 0) -> dict[str, float]:
@@ -137,6 +202,7 @@ def episode_stats(counts: Counter, episodes: int, n_dropped: int = 0) -> dict[st
     stats["rollout/drifted_turn_ratio"] = counts["drifted_turns"] / turns
     stats["rollout/masked_token_share"] = 1 - counts["sampled_tokens"] / max(counts["tokens"], 1)
     stats["rollout/dropped_groups"] = float(n_dropped)
+    stats["rollout/replayed_turns"] = float(counts["replayed_turns"])  # answered from journals after a restart
     return stats
 
 
@@ -150,8 +216,8 @@ def episodes_step(
     def one(i: int) -> GroupResult | None:
         try:
             return episodes.group(clients[i % len(clients)], prompts[i], epoch)
-        except GroupTimeout as exc:
-            logger.warning("group of prompt %s dropped: %s", prompts[i].query_id, exc)
+        except GroupDropped as exc:
+            logger.warning("group of prompt %s dropped (%s): %s", prompts[i].query_id, exc.reason, exc)
             return None
 
     start = time.monotonic()

@@ -22,6 +22,7 @@ from areal_hpc.control import (
 from areal_hpc.data import RolloutStore, run_steps, training_prompts
 from areal_hpc.gen import discovery
 from areal_hpc.gen.episodes import Episodes, is_single_turn, make_services
+from areal_hpc.gen.journal import Journals
 from areal_hpc.gen.manager import GenerationManager, ManagerState
 from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker, used_prompts
 from areal_hpc.reward import TaskRewards
@@ -41,6 +42,9 @@ def run(ctx: RunContext) -> None:
     point = wait_start_point(ctx.run, ctx.attempt)
     store = RolloutStore(ctx.run.rollouts)
     done, n_stored = used_prompts(Ledger(ctx.run.ledger), store)
+    journals = Journals(ctx.run.episodes)
+    if n := journals.prune(done):
+        logger.info("removed the journals of %d groups already stored or trained", n)
     # Resumed staleness counters: every group trained on or waiting in the store was accepted.
     state = ManagerState(point["version"], accepted=point["global_step"] * ds.train_bs_n_seqs + n_stored)
     manager = GenerationManager(
@@ -53,9 +57,10 @@ def run(ctx: RunContext) -> None:
         shared = RolloutContext(cfg, train, clients, rewards, manager, store, tokenizer, stop, done)
         if not is_single_turn(cfg):
             version_now = None if cfg.interruptible_generation else (lambda: manager.version)
-            shared.episodes = Episodes(
-                cfg, make_services(cfg, tokenizer, rewards, version_now=version_now, stop=stop)
+            services = make_services(
+                cfg, tokenizer, rewards, version_now=version_now, stop=stop, journals=journals
             )
+            shared.episodes = Episodes(cfg, services, ctx.run.agent_logs)
         workers = [
             RolloutWorker(i, n_workers, shared, -(-max_concurrent // n_workers)) for i in range(n_workers)
         ]
@@ -78,6 +83,8 @@ def run(ctx: RunContext) -> None:
             stop.set()
             for t in threads:
                 t.join(timeout=60)
+            if shared.episodes:
+                shared.episodes.close()
     errors = [e for w in workers for e in w.errors]
     if errors:
         raise errors[0]

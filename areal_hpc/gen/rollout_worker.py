@@ -24,7 +24,7 @@ from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import Ledger
 from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSampler, read_attrs
 from areal_hpc.gen.client import GenerationStopped
-from areal_hpc.gen.episodes import EPISODE_COUNTS, Episodes, GroupTimeout
+from areal_hpc.gen.episodes import EPISODE_COUNTS, Episodes, GroupDropped
 from areal_hpc.gen.manager import GenerationManager
 from areal_hpc.gen.partial import generate_group
 from areal_hpc.gen.rollout import group_params, pack_episodes, pack_groups, scores
@@ -142,12 +142,17 @@ class RolloutWorker:
 
     def episodes(self, client, prompt: PromptSample, sequence: int, epoch: int, birth: float) -> bool:
         """Run, filter and store one group of a multi-turn workflow; False when it was dropped."""
+        kept = self._episodes(client, prompt, sequence, epoch, birth)
+        self.ctx.episodes.finished(prompt, epoch)  # stored or dropped; a group cut short keeps its journals
+        return kept
+
+    def _episodes(self, client, prompt: PromptSample, sequence: int, epoch: int, birth: float) -> bool:
         ctx, cfg = self.ctx, self.ctx.cfg
         try:
             result = ctx.episodes.group(client, prompt, epoch)
-        except GroupTimeout as exc:
-            logger.warning("group of prompt %s dropped: %s", prompt.query_id, exc)
-            ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason="timeout")
+        except GroupDropped as exc:
+            logger.warning("group of prompt %s dropped (%s): %s", prompt.query_id, exc.reason, exc)
+            ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason=exc.reason)
             return False
         if not cfg.success_rate_lb <= float(np.mean(result.rewards)) <= cfg.success_rate_ub:
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch)

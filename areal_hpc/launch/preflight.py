@@ -1,8 +1,9 @@
 """The inputs a config names, checked before anything is written or submitted: the datasets, every line of
 them (file:line), the model and tokenizer directories, the user's code it names (reward.fn, dataset.loader,
-actor.interface, rollout.workflow and rollout.tools: each imports and takes the call it will get), what the run needs of its storage
-(launch/storage.py) and, under `areal-hpc run`, that this machine isolates model-written code. A bad input
-fails alike on every attempt, so it must be refused here, never found by a role, whose failures are retried.
+actor.interface, rollout.workflow, rollout.tools and rollout.agent: each imports and takes the call it will
+get), what the run needs of its storage (launch/storage.py) and, under `areal-hpc run`, that this machine
+isolates model-written code. A bad input fails alike on every attempt, so it must be refused here, never found
+by a role, whose failures are retried.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ def extension_problems(cfg: ExperimentConfig) -> list[str]:
             cfg.rollout.workflow if cfg.experiment_type == "ppo" else None,
             _workflow_problems,
         ),
+        ("rollout.agent", cfg.rollout.agent if cfg.experiment_type == "ppo" else None, _agent_problems),
     )
     for field, spec, problems in checks:
         if spec is None:
@@ -218,19 +220,37 @@ def _workflow_problems(cfg: ExperimentConfig, spec: str, fn) -> list[str | None]
         tools = load_tools(cfg.rollout.tools)
     except ExtensionError as exc:
         return [*out, str(exc)]
-    if cfg.rollout.workflow != "single_turn" and cfg.actor.path:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path, local_files_only=True)
-            ChatRenderer(tokenizer, [t.schema() for t in tools] or None)
-        except ChatTemplateError as exc:
-            out.append(
-                f"'rollout.workflow' is {spec!r}, but the chat template of actor.path {cfg.actor.path}: {exc}"
-            )
-        except (OSError, ValueError):
-            pass  # the model check says why it does not load
+    if cfg.rollout.workflow != "single_turn":
+        out.append(_template_problem(cfg, "rollout.workflow", spec, [t.schema() for t in tools]))
     return out
+
+
+def _template_problem(cfg: ExperimentConfig, field: str, spec: str, tools: list[dict]) -> str | None:
+    """Whether the actor's chat template renders turns (and these tools) as multi-turn episodes need."""
+    if not cfg.actor.path:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path, local_files_only=True)
+        ChatRenderer(tokenizer, tools or None)
+    except ChatTemplateError as exc:
+        return f"'{field}' is {spec!r}, but the chat template of actor.path {cfg.actor.path}: {exc}"
+    except (OSError, ValueError):
+        pass  # the model check says why it does not load
+    return None
+
+
+def _agent_problems(cfg: ExperimentConfig, spec: str, fn) -> list[str | None]:
+    """An agent is an async function (base_url, api_key, record); it reaches the model by the OpenAI API."""
+    if not inspect.iscoroutinefunction(fn):
+        return [f"'rollout.agent' is {spec!r}, which is not an async function: write `async def {spec.split(':')[-1]}"
+                "(base_url, api_key, record)` (docs/agents.md)"]  # fmt: skip
+    how = "(base_url, api_key, record)"
+    return [
+        extensions.call_problem("rollout.agent", spec, fn, ("base_url", "api_key", "record"), {}, how),
+        _template_problem(cfg, "rollout.agent", spec, []),
+    ]
 
 
 def _interface_problems(cfg: ExperimentConfig, spec: str, cls) -> list[str | None]:

@@ -18,7 +18,7 @@ from areal_hpc.config import ExperimentConfig, allocation_of, mfc_spec
 from areal_hpc.control import RunDir, fsio
 from areal_hpc.data import CU, PromptDataset, read_batch, read_keys
 from areal_hpc.eval import make_executor
-from areal_hpc.gen import Episodes, is_single_turn, make_services
+from areal_hpc.gen import Episodes, Journals, is_single_turn, make_services
 from areal_hpc.master.buffer import Buffer, SampleMeta
 from areal_hpc.master.checkpoint import Checkpointer
 from areal_hpc.master.checkpoint_evals import CheckpointEvals
@@ -93,7 +93,10 @@ class Master:
         elif cfg.async_rl:
             self.source = StoreRollouts(cfg, run, self.guard)
         else:
-            episodes = None if is_single_turn(cfg) else Episodes(cfg, make_services(cfg, tokenizer, rewards))
+            episodes = None
+            if not is_single_turn(cfg):
+                services = make_services(cfg, tokenizer, rewards, journals=Journals(run.episodes))
+                episodes = Episodes(cfg, services, run.agent_logs)
             self.source = SyncRollouts(cfg, run, train, clients, rewards, episodes)
         self.buffer = Buffer([awaited(mfc) for mfc in graph])  # no call waits for an optional key
         self.counter = make_counter(cfg, len(train))

@@ -107,10 +107,12 @@ class SyncRollouts(PromptSteps):
             ids = [p.query_id for p in prompts]
             return StepBatch([(str(path), ids)], [(i, epoch) for i in ids], stats)
         path, stats, ids, dropped = episodes_step(self.clients, self.episodes, prompts, self.cfg, path, epoch)
+        for prompt in prompts:
+            self.episodes.finished(prompt, epoch)
         if path is None:
             raise RuntimeError(
-                f"step {step + 1}: every group ran past rollout.episode_timeout_secs="
-                f"{self.cfg.rollout.episode_timeout_secs:g}; raise it, or lower ppo.gen.max_new_tokens"
+                f"step {step + 1}: every group was dropped (the log says why: episodes past "
+                f"rollout.episode_timeout_secs={self.cfg.rollout.episode_timeout_secs:g}, or an agent's errors)"
             )
         return StepBatch([(str(path), ids)], [(i, epoch) for i in ids], stats, [(i, epoch) for i in dropped])
 

@@ -1,0 +1,140 @@
+"""An agent trained as it is: the workflow that gives each episode a key to the OpenAI endpoint (gen.endpoint)
+and runs the user's agent against it, a Python function (rollout.agent) or a program (rollout.agent_command).
+
+A function is `async def agent(base_url, api_key, record) -> reward`; ``record`` is the prompt's dataset record
+(data.PromptSample). A program gets OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL in its environment and the
+record as one JSON object on its stdin; its reward is the last line of its stdout, a number. The program's stdout
+and stderr are kept per episode, each cut at rollout.agent_output_bytes, under logs/agents/; it runs in a process
+group of its own, killed whole when the episode is given up (rollout.episode_timeout_secs, or the role stops).
+
+An agent that fails (its function raises, its program exits non-zero or prints no reward) fails its episode:
+the group is dropped, logged and counted (reason agent_error), and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+from urllib.parse import quote
+
+from areal_hpc.gen.endpoint import Endpoint
+
+READ_BYTES = 65536
+
+
+class AgentError(RuntimeError):
+    """The user's agent failed its episode."""
+
+
+def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
+    """The workflow of rollout.agent."""
+
+    async def workflow(ctx, record) -> float:
+        key = endpoint.open(ctx)
+        try:
+            reward = await fn(endpoint.base_url, key, record)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise AgentError(f"rollout.agent raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            endpoint.close(key)
+        return _reward(reward, "rollout.agent returned")
+
+    return workflow
+
+
+def command_agent(command: str, endpoint: Endpoint, logs: Path, output_bytes: int) -> Callable:
+    """The workflow of rollout.agent_command; its output goes to ``logs``/epoch<E>/<prompt>/<index>.{out,err}."""
+    argv = shlex.split(command)
+
+    async def workflow(ctx, record) -> float:
+        key = endpoint.open(ctx)
+        where = logs / f"epoch{ctx.epoch}" / quote(str(record.query_id), safe="") / str(ctx.index)
+        env = {**os.environ, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": key,
+               "OPENAI_MODEL": endpoint.model}  # fmt: skip
+        out, err = Output(output_bytes), Output(output_bytes)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+            )  # fmt: skip
+            try:
+                record_line = json.dumps(record_fields(record)).encode() + b"\n"
+                await asyncio.gather(
+                    out.read(proc.stdout), err.read(proc.stderr), _feed(proc.stdin, record_line)
+                )
+                await proc.wait()
+            finally:
+                if proc.returncode is None:  # given up: the program and all it started
+                    with suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    await proc.wait()
+        finally:
+            endpoint.close(key)
+            where.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{where}.out").write_bytes(out.kept())
+            Path(f"{where}.err").write_bytes(err.kept())
+        if proc.returncode != 0:
+            raise AgentError(
+                f"rollout.agent_command exited with {proc.returncode} (its output: {where}.out, .err)"
+            )
+        lines = out.tail.decode(errors="replace").strip().splitlines()
+        return _reward(
+            lines[-1] if lines else "", f"the last line of rollout.agent_command's stdout ({where}.out)"
+        )
+
+    return workflow
+
+
+class Output:
+    """A program's stream as it is read: its first ``limit`` bytes and its last 4 KiB (what was read stays
+    when the episode is given up midway)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.head, self.tail, self.total = limit, bytearray(), b"", 0
+
+    async def read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(READ_BYTES):
+            self.total += len(chunk)
+            self.head += chunk[: max(0, self.limit - len(self.head))]
+            self.tail = (self.tail + chunk)[-4096:]
+
+    def kept(self) -> bytes:
+        cut = self.total - len(self.head)
+        return bytes(self.head) + (f"\n[cut: {cut} more bytes]\n".encode() if cut else b"")
+
+
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    with suppress(BrokenPipeError, ConnectionResetError):  # a program need not read its record
+        stdin.write(data)
+        await stdin.drain()
+        stdin.close()
+
+
+def _reward(value, what: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise AgentError(f"{what} {str(value)[:80]!r}, not a number (the reward)") from None
+
+
+def record_fields(record) -> dict:
+    """The dataset record an agent program reads: the prompt, its id, its task and answers, its other fields."""
+    out = {**(record.fields or {}), "query_id": record.query_id, "prompt": record.prompt, "task": record.task,
+           "solutions": list(record.solutions)}  # fmt: skip
+    if record.messages:
+        out["messages"] = list(record.messages)
+    return out
+
+
+def python_command(script: str | Path) -> str:
+    """A command line that runs ``script`` with this Python (for tests and examples)."""
+    return shlex.join([sys.executable, str(script)])

@@ -1,0 +1,281 @@
+"""The OpenAI-compatible endpoint with the real `openai` SDK as the client: agents written only against the SDK
+run as episodes on a real built-in server, their calls recorded token for token; bad requests get the SDK's
+errors; streaming, completions and the model list work as the SDK expects."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from areal_hpc.agent import content_of
+from areal_hpc.gen.agents import command_agent, function_agent
+from areal_hpc.gen.endpoint import Endpoint
+from areal_hpc.gen.episodes import AgentFailed, GroupTimeout, run_group
+from areal_hpc.gen.journal import Journals, read_entries
+from tests.plugins import sdk_agents
+from tests.test_episodes import PARAMS, RECORD, services
+
+
+@pytest.fixture
+def endpoint():
+    endpoint = Endpoint("policy")
+    yield endpoint
+    endpoint.shutdown()
+
+
+def run_agent(agent, client, services, endpoint, group_size=2, timeout=60):
+    return run_group(services, function_agent(agent, endpoint), client, RECORD, PARAMS, group_size, timeout)
+
+
+def test_an_sdk_agent_s_turns_are_recorded_as_the_ids_the_server_sampled(
+    builtin_client, tiny_tokenizer, endpoint, tmp_path
+):
+    svc = services(tiny_tokenizer)
+    svc.journals = Journals(tmp_path)
+    sdk_agents.SEEN.clear()
+    result = run_agent(sdk_agents.three_turns, builtin_client, svc, endpoint)
+    # Three chat calls an episode, each extending the last: one trajectory, no break, the SDK's own message
+    # objects sent back as they came.
+    assert result.counts["turns"] == 6 and result.counts["breaks"] == 0
+    seen = [
+        [(r.choices[0].message.content or "", r.usage.completion_tokens) for r in rs]
+        for rs in sdk_agents.SEEN.values()
+    ]
+    for index, samples in enumerate(result.samples):
+        (sample,) = samples
+        trained = [not masked for masked in sample.prompt_mask]
+        entries, _ = read_entries(tmp_path / "epoch0" / RECORD.query_id / f"{index}.jsonl")
+        # What is trained is what the server returned: its ids and its logprobs.
+        assert [i for i, t in zip(sample.ids, trained, strict=True) if t] == [
+            t for e in entries for t in e.ids
+        ]
+        assert [lp for lp, t in zip(sample.logprobs, trained, strict=True) if t] == [
+            lp for e in entries for lp in e.logprobs
+        ]
+        # And the agent got those ids' text, its tool calls parsed out.
+        texts = [tiny_tokenizer.decode(e.ids, skip_special_tokens=True) for e in entries]
+        assert [(content_of(text), len(e.ids)) for text, e in zip(texts, entries, strict=True)] in seen
+
+
+def test_a_malformed_request_a_wrong_key_and_an_unknown_model_get_the_sdk_s_errors_and_the_episode_goes_on(
+    builtin_client,
+    tiny_tokenizer,
+    endpoint,
+):
+    sdk_agents.SEEN.clear()
+    result = run_agent(sdk_agents.asks_wrongly_then_right, builtin_client, services(tiny_tokenizer), endpoint)
+    assert result.rewards == [1.0, 1.0] and result.counts["turns"] == 2
+    for errors in sdk_agents.SEEN.values():
+        assert errors == ["BadRequestError", "AuthenticationError", "NotFoundError"]
+
+
+async def sdk_tour(base_url, api_key, record, out: dict):
+    """The model list, a streamed chat, a refused option, and two completions, the second extending the first."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    out["models"] = [m.id for m in (await client.models.list()).data]
+    messages = [{"role": "user", "content": record.prompt}]
+    stream = await client.chat.completions.create(
+        model="policy", messages=messages, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    out["streamed"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    out["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    out["usage"] = chunks[-1].usage.completion_tokens
+    try:
+        await client.chat.completions.create(model="policy", messages=messages, tool_choice="required")
+    except openai.BadRequestError as exc:
+        out["refused"] = exc.body["param"]
+    first = await client.completions.create(model="policy", prompt="12 + 30 =", max_tokens=6, temperature=0)
+    second = await client.completions.create(
+        model="policy", prompt="12 + 30 =" + first.choices[0].text + " so", max_tokens=6, temperature=0
+    )
+    out["completions"] = [first.choices[0].text, second.usage.prompt_tokens]
+
+
+def test_streaming_completions_and_the_model_list_speak_the_sdk_s_protocol(
+    builtin_client, tiny_tokenizer, endpoint
+):
+    seen = {}
+
+    async def tour(base_url, api_key, record):
+        await sdk_tour(base_url, api_key, record, seen)
+        return 1.0
+
+    result = run_agent(tour, builtin_client, services(tiny_tokenizer), endpoint, group_size=1)
+    assert seen["models"] == ["policy"] and seen["refused"] == "tool_choice"
+    assert len(seen["finish"]) == 1 and seen["finish"][0] in ("stop", "length") and seen["usage"] >= 1
+    (samples,) = result.samples
+    # The stream's trajectory, then the completions': the second prompt extended the first prompt and its
+    # completion, so only " so" was appended (one trajectory for the two).
+    assert result.counts["turns"] == 3 and result.counts["breaks"] == 1
+    streamed, completions = samples
+    first_ids = tiny_tokenizer.encode("12 + 30 =")
+    assert list(completions.ids[: len(first_ids)]) == first_ids
+    assert tiny_tokenizer.decode(list(streamed.ids), skip_special_tokens=True).endswith(seen["streamed"])
+
+
+def test_the_endpoint_refuses_what_it_cannot_honour_naming_the_field():
+    from areal_hpc.agent.openai_api import ApiError, parse_chat
+
+    base = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"temperature": 3}, "temperature"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ]:
+        with pytest.raises(ApiError) as caught:
+            parse_chat({**base, **extra}, "policy")
+        assert caught.value.status == 400 and caught.value.param == param
+    # null is unset, as in OpenAI's API; the SDK's echoed reply fields are accepted empty.
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": [],
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'},
+            }
+        ],
+    }
+    request = parse_chat({**base, "messages": [base["messages"][0], echoed], "temperature": None}, "policy")
+    assert request.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": "1+1"}},
+            }
+        ],
+    }
+    assert request.sampling == {}
+
+
+class Counting:
+    """A generation client that counts the requests it sends (the real client does the work)."""
+
+    def __init__(self, client):
+        self.client, self.requests = client, 0
+
+    def generate(self, *args, **kwargs):
+        self.requests += 1
+        return self.client.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+async def three_turns_then_other(base_url, api_key, record):
+    """three_turns, but its second tool answer differs from the first run's."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": record.prompt}]
+    for turn in range(3):
+        response = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[sdk_agents.CALCULATOR], max_tokens=12
+        )
+        messages += [
+            response.choices[0].message,
+            {"role": "tool", "tool_call_id": "c", "content": f"x{turn}"},
+        ]
+    return 1.0
+
+
+def test_a_restarted_episode_is_answered_from_its_journal_up_to_its_last_recorded_turn(
+    builtin_client,
+    tiny_tokenizer,
+    endpoint,
+    tmp_path,
+):
+    svc = services(tiny_tokenizer)
+    svc.journals = Journals(tmp_path)
+    first = run_agent(sdk_agents.three_turns, builtin_client, svc, endpoint)
+    journals = sorted((tmp_path / "epoch0" / RECORD.query_id).glob("*.jsonl"))
+    assert len(journals) == 2 and all(len(read_entries(p)[0]) == 3 for p in journals)
+
+    # Restarted with every turn recorded: no request reaches a server, and the samples are the same.
+    counting = Counting(builtin_client)
+    again = run_agent(sdk_agents.three_turns, counting, svc, endpoint)
+    assert counting.requests == 0 and again.counts["replayed_turns"] == 6
+    assert _samples(again) == _samples(first)
+
+    # Cut after each episode's first turn, the last line torn by the crash: two turns of each are generated.
+    recorded = [read_entries(path)[0][0] for path in journals]
+    for path in journals:
+        lines = path.read_bytes().split(b"\n")
+        path.write_bytes(lines[0] + b"\n" + lines[1][:20])
+    counting = Counting(builtin_client)
+    resumed = run_agent(sdk_agents.three_turns, counting, svc, endpoint)
+    assert counting.requests == 4 and resumed.counts["replayed_turns"] == 2
+    for path, entry in zip(journals, recorded, strict=True):
+        entries, _ = read_entries(path)
+        assert len(entries) == 3 and entries[0] == entry  # the torn line gave way to the new turns
+
+    # An agent that asks something else at its second request: the first is replayed, the rest generated live
+    # and the journal cut there (a warning says so).
+    counting = Counting(builtin_client)
+    other = run_agent(three_turns_then_other, counting, svc, endpoint)
+    assert counting.requests == 4 and other.counts["replayed_turns"] == 2
+    assert other.counts["replay_mismatches"] == 2  # one an episode
+    assert all(len(read_entries(p)[0]) == 3 for p in journals)
+
+
+def _samples(result) -> list[tuple]:
+    return [(list(s.ids), list(s.logprobs), list(s.versions)) for samples in result.samples for s in samples]
+
+
+PROGRAM = Path(__file__).parent / "plugins" / "sdk_agent_program.py"
+
+
+def run_program(mode: str, client, svc, endpoint, logs: Path, timeout: float = 60, output_bytes: int = 65536):
+    workflow = command_agent(shlex.join([sys.executable, str(PROGRAM), mode]), endpoint, logs, output_bytes)
+    return run_group(svc, workflow, client, RECORD, PARAMS, 2, timeout)
+
+
+def test_an_agent_program_is_trained_through_its_environment_and_its_output_is_kept(
+    builtin_client,
+    tiny_tokenizer,
+    endpoint,
+    tmp_path,
+):
+    svc = services(tiny_tokenizer)
+    result = run_program("noisy", builtin_client, svc, endpoint, tmp_path, output_bytes=1024)
+    assert result.rewards == [1.0, 1.0] and result.counts["turns"] == 4 and result.counts["breaks"] == 0
+    for index in (0, 1):
+        out = (tmp_path / "epoch0" / RECORD.query_id / f"{index}.out").read_text()
+        err = (tmp_path / "epoch0" / RECORD.query_id / f"{index}.err").read_text()
+        assert out.startswith("x" * 1000) and "[cut: " in out  # 5,000 bytes kept to 1,024
+        assert "turn 0: " in err and "turn 1: " in err
+
+    with pytest.raises(AgentFailed, match="exited with 3"):
+        run_program("fail", builtin_client, svc, endpoint, tmp_path)
+
+    start = time.monotonic()
+    with pytest.raises(GroupTimeout):
+        run_program("hang", builtin_client, svc, endpoint, tmp_path, timeout=3)
+    assert time.monotonic() - start < 10
+    assert "started" in (tmp_path / "epoch0" / RECORD.query_id / "0.out").read_text()
+    assert not _running(str(PROGRAM))  # killed with the episode
+
+
+def _running(word: str) -> bool:
+    return any(word in p.read_text() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p))
+
+
+def _readable(path: Path) -> bool:
+    try:
+        path.read_text()
+    except OSError:
+        return False
+    return True
