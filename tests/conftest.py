@@ -42,6 +42,15 @@ def tiny_model_dir(tiny_build: TinyBuild) -> Path:
 
 
 @pytest.fixture
+def plugins(monkeypatch):
+    """tests/plugins (a user's code outside areal_hpc) importable here, in worker processes, and in the roles
+    of a run (local or on the local Slurm: sbatch passes the environment on)."""
+    folder = str(REPO_ROOT / "tests" / "plugins")
+    monkeypatch.syspath_prepend(folder)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")])))
+
+
+@pytest.fixture
 def builtin_client(tiny_model_dir: Path):
     """A client of a built-in generation server (engine + HTTP on a thread of this process) on the tiny model."""
     import threading

@@ -4,9 +4,7 @@ its key (or its file and line), all at once."""
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,16 +13,6 @@ from areal_hpc.launch.preflight import check_inputs
 from tests.helpers import REPO_ROOT
 
 TOY = str(REPO_ROOT / "configs" / "toy-cpu.yaml")
-PLUGINS = Path(__file__).resolve().parent / "plugins"
-
-
-@pytest.fixture
-def plugins(monkeypatch):
-    """tests/plugins importable here and in the roles of a run."""
-    monkeypatch.syspath_prepend(str(PLUGINS))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
-    )
 
 
 @pytest.mark.parametrize(

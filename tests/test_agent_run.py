@@ -3,26 +3,10 @@ trainer trains its per-turn samples, and every prompt is trained once (the ledge
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import pytest
-
 from areal_hpc.control import Ledger
 from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.launch.local import run_local
 from areal_hpc.monitor.stats import read_stats
-
-PLUGINS = Path(__file__).resolve().parent / "plugins"
-
-
-@pytest.fixture
-def plugins(monkeypatch):
-    """tests/plugins importable in the roles of a run."""
-    monkeypatch.syspath_prepend(str(PLUGINS))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
-    )
 
 
 def test_an_asynchronous_run_trains_two_turn_episodes_and_drops_the_groups_that_hang(plugins, toy):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -23,15 +22,6 @@ from areal_hpc.reward.custom import RewardFnError
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
-
-
-@pytest.fixture
-def plugins(monkeypatch):
-    """tests/plugins importable here, in the reward functions' worker processes, and in the roles of a run."""
-    monkeypatch.syspath_prepend(str(PLUGINS))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
-    )
 
 
 def question(query_id: str, answer: str) -> PromptSample:

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -116,7 +117,7 @@ EPISODES = ("rollout.workflow=tool_loop", "rollout.tools=[calculator]", "rollout
         pytest.param("trainer", "trainer-kill", (), marks=pytest.mark.slow),
         pytest.param("controller", "controller-kill", (), marks=pytest.mark.slow),
         pytest.param("gen_server", "gen-server-kill", (), marks=pytest.mark.slow),
-        # The controller rolls out multi-turn episodes (synchronous RL): those in flight are redone.
+        # The controller rolls out multi-turn episodes (synchronous RL): those in flight resume from their journals.
         pytest.param("controller", "controller-kill-episodes", EPISODES, marks=pytest.mark.slow),
     ],
 )
@@ -126,6 +127,59 @@ def test_a_role_killed_at_a_random_step(slurm_env, draw, toy_job, say, role, nam
     victim = wait_role(run, role, 0)
     strike(run, fault, lambda: os.kill(victim, signal.SIGKILL))
     check_survived(slurm_env, run, job_id, fault, say)
+
+
+# An agent reaching the policy through the OpenAI endpoint, three paced turns an episode (tests/plugins).
+AGENT = (
+    "async_rl=true",
+    "max_head_offpolicyness=1",
+    "n_rollout_workers=1",
+    "rollout.agent=sdk_agents:paced_turns",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rollout-kill-agents", "requeue-agents"])
+def test_agent_episodes_cut_by_a_fault_resume_at_their_last_recorded_turn(
+    slurm_env, draw, toy_job, say, plugins, name
+):
+    fault = draw(name, low=2)  # after step 1 the rollout may wait for the first update, no group in flight
+    run, job_id = toy_job(fault, *AGENT)
+    rollout = wait_role(run, "rollout", 0)
+    if name == "rollout-kill-agents":
+        strike(run, fault, lambda: os.kill(rollout, signal.SIGKILL))
+    else:
+        strike(run, fault, lambda: slurm_env.run("scontrol", "requeue", job_id))
+    deadline = time.monotonic() + 60  # the role ends (a requeue's SIGTERM: ABORTED, for a while)
+    while Path(f"/proc/{rollout}").exists():
+        assert time.monotonic() < deadline, f"the rollout role {rollout} still runs 60 s after the fault"
+        time.sleep(0.05)
+    recorded = recorded_turns(run)  # before the next attempt's rollout role starts (10 s at least)
+    check_survived(slurm_env, run, job_id, fault, say)
+    rows = [r for r in read_stats(run.stats) if "rollout/replayed_turns" in r]
+    # Every turn recorded before the fault was answered from its journal, none generated again; nothing else
+    # was replayed, and no agent asked differently.
+    say(
+        f"fault {name}: {recorded} turns recorded before it, {sum(r['rollout/replayed_turns'] for r in rows):g} replayed"
+    )
+    assert recorded > 0, "the fault found no episode with a recorded turn"
+    assert sum(r["rollout/replayed_turns"] for r in rows) == recorded
+    assert all(r["rollout/replay_mismatches_per_episode"] == 0 for r in rows)
+    assert not list(run.episodes.glob("epoch*/*/*.jsonl"))
+
+
+def recorded_turns(run) -> int:
+    """The turns recorded in the journals of groups not yet stored or trained."""
+    from areal_hpc.data import RolloutStore
+    from areal_hpc.gen.journal import read_entries
+    from areal_hpc.gen.rollout_worker import used_prompts
+
+    used, _ = used_prompts(Ledger(run.ledger), RolloutStore(run.rollouts))
+    return sum(
+        len(read_entries(path)[0])
+        for path in run.episodes.glob("epoch*/*/*.jsonl")
+        if unquote(path.parent.name) not in used.get(int(path.parent.parent.name.removeprefix("epoch")), ())
+    )
 
 
 @pytest.mark.slow  # a damaged checkpoint skipped: test_recover's unit test in make test

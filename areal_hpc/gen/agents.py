@@ -18,12 +18,12 @@ import json
 import os
 import shlex
 import signal
-import sys
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from urllib.parse import quote
 
+from areal_hpc.gen.client import GenerationStopped
 from areal_hpc.gen.endpoint import Endpoint
 
 READ_BYTES = 65536
@@ -43,7 +43,7 @@ def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:
-            raise AgentError(f"rollout.agent raised {type(exc).__name__}: {exc}") from exc
+            raise _failure(ctx, f"rollout.agent raised {type(exc).__name__}: {exc}") from exc
         finally:
             endpoint.close(key)
         return _reward(reward, "rollout.agent returned")
@@ -83,8 +83,8 @@ def command_agent(command: str, endpoint: Endpoint, logs: Path, output_bytes: in
             Path(f"{where}.out").write_bytes(out.kept())
             Path(f"{where}.err").write_bytes(err.kept())
         if proc.returncode != 0:
-            raise AgentError(
-                f"rollout.agent_command exited with {proc.returncode} (its output: {where}.out, .err)"
+            raise _failure(
+                ctx, f"rollout.agent_command exited with {proc.returncode} (its output: {where}.out, .err)"
             )
         lines = out.tail.decode(errors="replace").strip().splitlines()
         return _reward(
@@ -119,6 +119,16 @@ async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
         stdin.close()
 
 
+def _failure(ctx, message: str) -> Exception:
+    """What an agent's failure is: the agent's own (AgentError: its group is dropped), or, when the endpoint
+    could not serve it (a server failed, the role stops), that cause, which the rollout handles as it handles any
+    workflow's: the group is not dropped and its journals stay for a resume."""
+    stop = ctx.services.stop
+    if stop is not None and stop.is_set():
+        return GenerationStopped(f"the role stops: {message}")
+    return ctx.failure or AgentError(message)
+
+
 def _reward(value, what: str) -> float:
     try:
         return float(value)
@@ -133,8 +143,3 @@ def record_fields(record) -> dict:
     if record.messages:
         out["messages"] = list(record.messages)
     return out
-
-
-def python_command(script: str | Path) -> str:
-    """A command line that runs ``script`` with this Python (for tests and examples)."""
-    return shlex.join([sys.executable, str(script)])

@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -37,7 +36,6 @@ import jinja2
 
 from areal_hpc.agent import ChatTemplateError
 from areal_hpc.agent import openai_api as api
-from areal_hpc.gen.client import GenerationStopped
 from areal_hpc.gen.episode import EpisodeCancelled, EpisodeContext
 
 logger = logging.getLogger("rollout")
@@ -100,22 +98,27 @@ class Endpoint:
     def call(self, session: Session, serve: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``serve`` in the episode's event loop and wait for it (the episode's calls one at a time)."""
         with session.lock:
+            if session.ctx.failure:  # the SDK retries a 503: answer at once
+                raise api.ApiError(
+                    503, f"the generation failed: {session.ctx.failure}", code="generation_failed"
+                )
             try:
                 future = asyncio.run_coroutine_threadsafe(serve(), session.loop)
             except RuntimeError as exc:  # the group's loop is closed: the episode ended
                 raise api.ApiError(409, "the episode has ended", code="episode_ended") from exc
             try:
                 return future.result()
-            except (
-                EpisodeCancelled,
-                GenerationStopped,
-                asyncio.CancelledError,
-                futures.CancelledError,
-            ) as exc:
-                raise api.ApiError(503, f"the episode was given up {exc}", code="episode_cancelled") from exc
             except (ChatTemplateError, jinja2.TemplateError) as exc:
                 raise api.ApiError(400, f"messages: the chat template cannot render them: {exc}", "messages",
                                    "invalid_value") from exc  # fmt: skip
+            except api.ApiError:
+                raise
+            except BaseException as exc:  # the servers or the role, not the agent: the episode ends with this
+                failure = exc if isinstance(exc, Exception) else EpisodeCancelled("the episode was given up")
+                session.ctx.failure = session.ctx.failure or failure
+                raise api.ApiError(
+                    503, f"the generation failed: {failure}", code="generation_failed"
+                ) from exc
 
     # --- the routes, in the episode's event loop ---------------------------------------------------------
 

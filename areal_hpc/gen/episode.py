@@ -100,6 +100,9 @@ class EpisodeContext:
         # The conversation the trajectory holds (its messages and replies) and the renderer that rendered it.
         self._chat: tuple[ChatRenderer, list[dict]] | None = None
         self._calls: list = []  # the tool calls of the last reply
+        self.failure: Exception | None = (
+            None  # why a call of the episode's agent failed, not the agent's fault
+        )
 
     # --- token in, token out ------------------------------------------------------------------------------
 

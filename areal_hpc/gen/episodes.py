@@ -202,7 +202,9 @@ def episode_stats(counts: Counter, episodes: int, n_dropped: int = 0) -> dict[st
     stats["rollout/drifted_turn_ratio"] = counts["drifted_turns"] / turns
     stats["rollout/masked_token_share"] = 1 - counts["sampled_tokens"] / max(counts["tokens"], 1)
     stats["rollout/dropped_groups"] = float(n_dropped)
-    stats["rollout/replayed_turns"] = float(counts["replayed_turns"])  # answered from journals after a restart
+    stats["rollout/replayed_turns"] = float(
+        counts["replayed_turns"]
+    )  # answered from journals after a restart
     return stats
 
 

@@ -46,57 +46,71 @@ def boxed(text: str) -> str | None:
 
 async def calculator_agent(base_url, api_key, record):
     """Ask, run the calculator calls the model makes, ask again: two model turns at most."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": record.prompt}]
-    for _ in range(2):
-        response = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
-        SEEN.setdefault(api_key, []).append(response)
-        message = response.choices[0].message
-        messages.append(message)
-        if response.choices[0].finish_reason != "tool_calls":
-            break
-        for call in message.tool_calls:
-            try:
-                expression = json.loads(call.function.arguments)["expression"]
-                answer = calculate(str(expression))
-            except (ValueError, KeyError, TypeError):
-                answer = 'Error: the arguments are not {"expression": ...}'
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
-    return float(boxed(message.content) == boxed(record.solutions[0]))
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": record.prompt}]
+        for _ in range(2):
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALCULATOR]
+            )
+            SEEN.setdefault(api_key, []).append(response)
+            message = response.choices[0].message
+            messages.append(message)
+            if response.choices[0].finish_reason != "tool_calls":
+                break
+            for call in message.tool_calls:
+                try:
+                    expression = json.loads(call.function.arguments)["expression"]
+                    answer = calculate(str(expression))
+                except (ValueError, KeyError, TypeError):
+                    answer = 'Error: the arguments are not {"expression": ...}'
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
+        return float(boxed(message.content) == boxed(record.solutions[0]))
 
 
 async def three_turns(base_url, api_key, record):
     """Three turns whatever the model says: a tool answer after each of the first two."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": record.prompt}]
-    for turn in range(3):
-        response = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALCULATOR], max_tokens=12
-        )
-        SEEN.setdefault(api_key, []).append(response)
-        messages.append(response.choices[0].message)
-        messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn)})
-    return 1.0
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": record.prompt}]
+        for turn in range(3):
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALCULATOR], max_tokens=12
+            )
+            SEEN.setdefault(api_key, []).append(response)
+            messages.append(response.choices[0].message)
+            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn)})
+        return 1.0
 
 
 async def asks_wrongly_then_right(base_url, api_key, record):
     """A malformed request, a wrong key and an unknown model, each caught as the SDK's error, then a good call."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": record.prompt}]
-    errors = []
-    for bad in (
-        lambda: client.chat.completions.create(model="policy", messages=[]),
-        lambda: openai.AsyncOpenAI(base_url=base_url, api_key="sk-wrong", max_retries=0).models.list(),
-        lambda: client.chat.completions.create(model="gpt-4o", messages=messages),
-    ):
-        try:
-            await bad()
-        except openai.APIStatusError as exc:
-            errors.append(type(exc).__name__)
-    SEEN[api_key] = errors
-    response = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-    return float(response.choices[0].finish_reason in ("stop", "length"))
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": record.prompt}]
+        errors = []
+        for bad in (
+            lambda: client.chat.completions.create(model="policy", messages=[]),
+            lambda: openai.AsyncOpenAI(base_url=base_url, api_key="sk-wrong", max_retries=0).models.list(),
+            lambda: client.chat.completions.create(model="gpt-4o", messages=messages),
+        ):
+            try:
+                await bad()
+            except openai.APIStatusError as exc:
+                errors.append(type(exc).__name__)
+        SEEN[api_key] = errors
+        response = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+        return float(response.choices[0].finish_reason in ("stop", "length"))
 
 
 async def sleeps(base_url, api_key, record):
     await asyncio.sleep(3600)
+
+
+async def paced_turns(base_url, api_key, record):
+    """three_turns with a second of the agent's own work (a tool, say) after each turn: a fault is likely to
+    find its episodes between turns, some recorded."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": record.prompt}]
+        for turn in range(3):
+            response = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+            await asyncio.sleep(1.0)
+            messages += [response.choices[0].message, {"role": "user", "content": f"And {turn}?"}]
+        return float(len(messages) == 7)
