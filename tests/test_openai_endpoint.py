@@ -15,6 +15,7 @@ import pytest
 from areal_hpc.agent import content_of
 from areal_hpc.gen.agents import command_agent, function_agent
 from areal_hpc.gen.endpoint import Endpoint
+from areal_hpc.gen.episode import cut_text, stop_length
 from areal_hpc.gen.episodes import AgentFailed, GroupTimeout, run_group
 from areal_hpc.gen.journal import Journals, read_entries
 from tests.plugins import sdk_agents
@@ -86,6 +87,10 @@ async def sdk_tour(base_url, api_key, record, out: dict):
     out["streamed"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     out["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     out["usage"] = chunks[-1].usage.completion_tokens
+    big = await client.chat.completions.create(
+        model="policy", messages=messages, max_tokens=500, stop=["zzz"]
+    )
+    out["capped"] = big.usage.completion_tokens
     try:
         await client.chat.completions.create(model="policy", messages=messages, tool_choice="required")
     except openai.BadRequestError as exc:
@@ -108,12 +113,13 @@ def test_streaming_completions_and_the_model_list_speak_the_sdk_s_protocol(
 
     result = run_agent(tour, builtin_client, services(tiny_tokenizer), endpoint, group_size=1)
     assert seen["models"] == ["policy"] and seen["refused"] == "tool_choice"
+    assert seen["capped"] <= PARAMS["max_new_tokens"]  # max_tokens is bounded by the run's
     assert len(seen["finish"]) == 1 and seen["finish"][0] in ("stop", "length") and seen["usage"] >= 1
     (samples,) = result.samples
     # The stream's trajectory, then the completions': the second prompt extended the first prompt and its
     # completion, so only " so" was appended (one trajectory for the two).
-    assert result.counts["turns"] == 3 and result.counts["breaks"] == 1
-    streamed, completions = samples
+    assert result.counts["turns"] == 4 and result.counts["breaks"] == 2
+    streamed, _, completions = samples
     first_ids = tiny_tokenizer.encode("12 + 30 =")
     assert list(completions.ids[: len(first_ids)]) == first_ids
     assert tiny_tokenizer.decode(list(streamed.ids), skip_special_tokens=True).endswith(seen["streamed"])
@@ -279,3 +285,11 @@ def _readable(path: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("12 + 30 = 42 and 7 * 6 = 42")
+    k = stop_length(tiny_tokenizer, ids, ["and", "never"])
+    assert "and" in tiny_tokenizer.decode(ids[:k]) and "and" not in tiny_tokenizer.decode(ids[: k - 1])
+    assert stop_length(tiny_tokenizer, ids, ["never"]) is None
+    assert cut_text("12 + 30 = 42 and 7", ["and", " 30"]) == "12 +"  # before the first of them, as OpenAI

@@ -4,6 +4,8 @@ task reward (configs/toy-tools.yaml)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from areal_hpc.config import load_config
@@ -21,24 +23,49 @@ GRPO = ("exp_ctrl.benchmark_steps=20",)
 MIN_REWARD_GAIN = 0.08
 
 
-@pytest.mark.slow
-def test_grpo_with_a_calculator_raises_the_reward_after_a_warm_up_on_tool_conversations(tmp_path, tiny_build):
-    common = [
-        f"cluster.fileroot={tmp_path / 'runs'}",
+@pytest.fixture(scope="module")
+def common(tmp_path_factory, tiny_build) -> list[str]:
+    return [
+        f"cluster.fileroot={tmp_path_factory.mktemp('runs')}",
         f"dataset.path={tiny_build.root / 'data' / 'tools' / 'train.jsonl'}",
         "logging.tensorboard=false",
         "recover_mode=disabled",
     ]
+
+
+@pytest.fixture(scope="module")
+def warmed_up(common, tiny_build) -> Path:
+    """The tiny model after the warm-up on worked calculator conversations (its checkpoint)."""
     warm_up = load_config(
         [*CONFIGS, REPO_ROOT / "configs" / "toy-tools-sft.yaml"],
         [*common, "trial_name=warm-up", f"actor.path={tiny_build.model_dir}"],
     )
     assert run_local(warm_up) == 0
     (checkpoint,) = (run_dir_of(warm_up).root / "checkpoints" / "actor").iterdir()
-    grpo = load_config(CONFIGS, [*common, "trial_name=grpo", f"actor.path={checkpoint}", *GRPO])
+    return checkpoint
+
+
+@pytest.mark.slow
+def test_grpo_with_a_calculator_raises_the_reward_after_a_warm_up_on_tool_conversations(common, warmed_up):
+    grpo = load_config(CONFIGS, [*common, "trial_name=grpo", f"actor.path={warmed_up}", *GRPO])
     assert run_local(grpo) == 0
     rows = read_stats(run_dir_of(grpo).stats)
+    check_learned(rows)
+    assert rows[-1]["rollout/tool_calls_per_episode"] > 0.5
+
+
+@pytest.mark.slow
+def test_an_agent_written_against_the_openai_sdk_learns_to_use_its_calculator(common, warmed_up, plugins):
+    # The same task, but the episodes are tests/plugins/sdk_agents.py's calculator_agent: the openai SDK, its
+    # own calculator, its own reward, reaching the policy through the run's endpoint.
+    agent = ("rollout.workflow=single_turn", "rollout.agent=sdk_agents:calculator_agent")
+    grpo = load_config(CONFIGS, [*common, "trial_name=agent", f"actor.path={warmed_up}", *GRPO, *agent])
+    assert run_local(grpo) == 0
+    check_learned(read_stats(run_dir_of(grpo).stats))
+
+
+def check_learned(rows: list[dict]) -> None:
     summary = learning_summary(rows, window=3)
     assert summary["reward_last"] - summary["reward_first"] >= MIN_REWARD_GAIN, summary
     last = rows[-1]
-    assert last["rollout/turns_per_episode"] > 1.5 and last["rollout/tool_calls_per_episode"] > 0.5
+    assert last["rollout/turns_per_episode"] > 1.5 and last["rollout/breaks_per_episode"] == 0

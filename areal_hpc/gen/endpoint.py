@@ -124,8 +124,9 @@ class Endpoint:
 
     async def chat(self, session: Session, request: api.Request) -> tuple[dict, dict]:
         ctx = session.ctx
+        sampling = _bounded(ctx, request.sampling)
         reply = await ctx.chat(
-            request.messages, request.tools, request.sampling, request.stop, parse_tools=request.parse_tools
+            request.messages, request.tools, sampling, request.stop, parse_tools=request.parse_tools
         )
         turn = ctx.last_turn
         context = len(ctx.trajectories[-1].ids) - len(turn.ids)
@@ -140,13 +141,20 @@ class Endpoint:
             ids = before + ctx.tokenizer.encode(prompt[len(text) :], add_special_tokens=False)
         else:
             ids = ctx.tokenizer.encode(prompt)
-        turn = await ctx.generate(ids, request.sampling, request.stop)
+        turn = await ctx.generate(ids, _bounded(ctx, request.sampling), request.stop)
         whole = ctx.tokenizer.decode(turn.ids, skip_special_tokens=True)
         # Text and ids continue each other only when the stop strings cut nothing off.
         session.completion = (
             (prompt + turn.text, ids + turn.ids) if isinstance(prompt, str) and whole == turn.text else None
         )
         return turn.text, {"finish": turn.finish, "usage": api.usage(len(ids), len(turn.ids))}
+
+
+def _bounded(ctx: EpisodeContext, sampling: dict) -> dict:
+    """The request's sampling, its max_tokens at most the run's (ppo.gen.max_new_tokens)."""
+    if "max_new_tokens" in sampling:
+        return {**sampling, "max_new_tokens": min(sampling["max_new_tokens"], ctx.params["max_new_tokens"])}
+    return sampling
 
 
 class _Server(ThreadingHTTPServer):
