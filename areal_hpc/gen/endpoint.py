@@ -99,9 +99,7 @@ class Endpoint:
         """Run ``serve`` in the episode's event loop and wait for it (the episode's calls one at a time)."""
         with session.lock:
             if session.ctx.failure:  # the SDK retries a 503: answer at once
-                raise api.ApiError(
-                    503, f"the generation failed: {session.ctx.failure}", code="generation_failed"
-                )
+                raise _failed(session.ctx.failure)
             try:
                 future = asyncio.run_coroutine_threadsafe(serve(), session.loop)
             except RuntimeError as exc:  # the group's loop is closed: the episode ended
@@ -116,9 +114,7 @@ class Endpoint:
             except BaseException as exc:  # the servers or the role, not the agent: the episode ends with this
                 failure = exc if isinstance(exc, Exception) else EpisodeCancelled("the episode was given up")
                 session.ctx.failure = session.ctx.failure or failure
-                raise api.ApiError(
-                    503, f"the generation failed: {failure}", code="generation_failed"
-                ) from exc
+                raise _failed(failure) from exc
 
     # --- the routes, in the episode's event loop ---------------------------------------------------------
 
@@ -148,6 +144,10 @@ class Endpoint:
             (prompt + turn.text, ids + turn.ids) if isinstance(prompt, str) and whole == turn.text else None
         )
         return turn.text, {"finish": turn.finish, "usage": api.usage(len(ids), len(turn.ids))}
+
+
+def _failed(failure: Exception) -> api.ApiError:
+    return api.ApiError(503, f"the generation failed: {failure}", code="generation_failed")
 
 
 def _bounded(ctx: EpisodeContext, sampling: dict) -> dict:

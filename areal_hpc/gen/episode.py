@@ -67,7 +67,8 @@ class Services:
 
 
 class EpisodeContext:
-    """One episode: index ``index`` of its prompt's group in ``epoch``, generating on ``client`` with ``params``."""
+    """One episode: index ``index`` of its prompt's group in ``epoch``, generating on ``client`` with
+    ``params``; ``journal`` records its generations (and answers them again after a restart)."""
 
     def __init__(
         self,
@@ -79,13 +80,8 @@ class EpisodeContext:
         journal: Journal | None = None,
         epoch: int = 0,
     ):
-        self.services, self.client, self.record, self.index, self.epoch = (
-            services,
-            client,
-            record,
-            index,
-            epoch,
-        )
+        self.services, self.client, self.record = services, client, record
+        self.index, self.epoch = index, epoch
         self.journal = journal  # its completed generations, replayed after a restart (gen.journal)
         self.tokenizer, self.options = services.tokenizer, services.options
         self.last_turn: Generation | None = None
@@ -100,9 +96,8 @@ class EpisodeContext:
         # The conversation the trajectory holds (its messages and replies) and the renderer that rendered it.
         self._chat: tuple[ChatRenderer, list[dict]] | None = None
         self._calls: list = []  # the tool calls of the last reply
-        self.failure: Exception | None = (
-            None  # why a call of the episode's agent failed, not the agent's fault
-        )
+        # Why a call of the episode's agent failed when the agent is not to blame (set by gen.endpoint).
+        self.failure: Exception | None = None
 
     # --- token in, token out ------------------------------------------------------------------------------
 
@@ -280,9 +275,9 @@ class EpisodeContext:
     def stats(self) -> dict[str, float]:
         tokens = sum(len(t.ids) for t in self.trajectories)
         sampled = sum(t.n_sampled for t in self.trajectories)
-        mismatched = bool(self.journal and self.journal.mismatched)
-        return {**self.counts, "tool_secs": self.tool_secs, "tokens": tokens, "sampled_tokens": sampled,
-                "replay_mismatches": int(mismatched)}  # fmt: skip
+        mismatched = int(bool(self.journal and self.journal.mismatched))
+        counts = {"tool_secs": self.tool_secs, "tokens": tokens, "sampled_tokens": sampled}
+        return {**self.counts, **counts, "replay_mismatches": mismatched}
 
 
 def stop_length(tokenizer, ids: list[int], stop: Sequence[str]) -> int | None:
