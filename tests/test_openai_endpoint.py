@@ -293,3 +293,16 @@ def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tiny_tokeniz
     assert "and" in tiny_tokenizer.decode(ids[:k]) and "and" not in tiny_tokenizer.decode(ids[: k - 1])
     assert stop_length(tiny_tokenizer, ids, ["never"]) is None
     assert cut_text("12 + 30 = 42 and 7", ["and", " 30"]) == "12 +"  # before the first of them, as OpenAI
+
+
+async def one_short_call(base_url, api_key, record):
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": record.prompt}]
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=1)
+    return 1.0
+
+
+def test_hundreds_of_episodes_connect_at_once(builtin_client, tiny_tokenizer, endpoint):
+    # A rollout has every episode of every group in flight: they all reach the endpoint together.
+    result = run_agent(one_short_call, builtin_client, services(tiny_tokenizer), endpoint, group_size=200)
+    assert result.rewards == [1.0] * 200

@@ -159,6 +159,9 @@ def _bounded(ctx: EpisodeContext, sampling: dict) -> dict:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Every episode of every group in flight may connect at once (hundreds): socketserver's backlog of 5
+    # refused them (the SDK's APIConnectionError).
+    request_queue_size = 4096
     endpoint: Endpoint
 
 
