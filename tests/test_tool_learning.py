@@ -57,7 +57,8 @@ def test_grpo_with_a_calculator_raises_the_reward_after_a_warm_up_on_tool_conver
 @pytest.mark.slow
 def test_an_agent_written_against_the_openai_sdk_learns_to_use_its_calculator(common, warmed_up, plugins):
     # The same task, but the episodes are tests/plugins/sdk_agents.py's calculator_agent: the openai SDK, its
-    # own calculator, its own reward, reaching the policy through the run's endpoint.
+    # own calculator, its own reward, reaching the policy through the run's endpoint. 0.133 -> 0.293 (+0.160)
+    # from a warm-up of this test's (~25 s a step: 32 groups x 8 agents, 2 turns each).
     agent = ("rollout.workflow=single_turn", "rollout.agent=sdk_agents:calculator_agent")
     grpo = load_config(CONFIGS, [*common, "trial_name=agent", f"actor.path={warmed_up}", *GRPO, *agent])
     assert run_local(grpo) == 0
