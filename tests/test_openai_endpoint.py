@@ -258,11 +258,12 @@ def test_an_agent_program_is_trained_through_its_environment_and_its_output_is_k
     svc = services(tiny_tokenizer)
     result = run_program("noisy", builtin_client, svc, endpoint, tmp_path, output_bytes=1024)
     assert result.rewards == [1.0, 1.0] and result.counts["turns"] == 4 and result.counts["breaks"] == 0
-    for index in (0, 1):
-        out = (tmp_path / "epoch0" / RECORD.query_id / f"{index}.out").read_text()
-        err = (tmp_path / "epoch0" / RECORD.query_id / f"{index}.err").read_text()
-        assert out.startswith("x" * 1000) and "[cut: " in out  # 5,000 bytes kept to 1,024
-        assert "turn 0: " in err and "turn 1: " in err
+    log = tmp_path / "epoch0" / f"{RECORD.query_id}.log"
+    for index in (0, 1):  # each episode's block: 5,000 bytes of stdout kept to 1,024, its stderr
+        block = log.read_text().split(f"=== episode {index} of q1 (epoch 0), exit code 0: stdout\n")[1]
+        out, err = block.split(f"=== episode {index} of q1 (epoch 0), exit code 0: stderr\n")
+        assert out.startswith("x" * 1000) and "[cut: " in out and len(out) < 1100
+        assert err.startswith("turn 0: ") and "turn 1: " in err
 
     with pytest.raises(AgentFailed, match="exited with 3"):
         run_program("fail", builtin_client, svc, endpoint, tmp_path)
@@ -271,7 +272,7 @@ def test_an_agent_program_is_trained_through_its_environment_and_its_output_is_k
     with pytest.raises(GroupTimeout):
         run_program("hang", builtin_client, svc, endpoint, tmp_path, timeout=3)
     assert time.monotonic() - start < 10
-    assert "started" in (tmp_path / "epoch0" / RECORD.query_id / "0.out").read_text()
+    assert "exit code -9: stdout\nstarted\n" in log.read_text()  # what it wrote before it was killed
     assert not _running(str(PROGRAM))  # killed with the episode
 
 

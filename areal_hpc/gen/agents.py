@@ -4,7 +4,7 @@ and runs the user's agent against it, a Python function (rollout.agent) or a pro
 A function is `async def agent(base_url, api_key, record) -> reward`; ``record`` is the prompt's dataset record
 (data.PromptSample). A program gets OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL in its environment and the
 record as one JSON object on its stdin; its reward is the last line of its stdout, a number. The program's stdout
-and stderr are kept per episode, each cut at rollout.agent_output_bytes, under logs/agents/; it runs in a process
+and stderr are kept per episode, each cut at rollout.agent_output_bytes, in logs/agents/ (a file per group); it runs in a process
 group of its own, killed whole when the episode is given up (rollout.episode_timeout_secs, or the role stops).
 
 An agent that fails (its function raises, its program exits non-zero or prints no reward) fails its episode:
@@ -52,15 +52,17 @@ def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
 
 
 def command_agent(command: str, endpoint: Endpoint, logs: Path, output_bytes: int) -> Callable:
-    """The workflow of rollout.agent_command; its output goes to ``logs``/epoch<E>/<prompt>/<index>.{out,err}."""
+    """The workflow of rollout.agent_command; its output goes to ``logs``/epoch<E>/<prompt>.log, a block per
+    episode (one file per group, not two per episode: shared file systems suffer millions of small files)."""
     argv = shlex.split(command)
 
     async def workflow(ctx, record) -> float:
         key = endpoint.open(ctx)
-        where = logs / f"epoch{ctx.epoch}" / quote(str(record.query_id), safe="") / str(ctx.index)
+        where = logs / f"epoch{ctx.epoch}" / f"{quote(str(record.query_id), safe='')}.log"
         env = {**os.environ, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": key,
                "OPENAI_MODEL": endpoint.model}  # fmt: skip
         out, err = Output(output_bytes), Output(output_bytes)
+        proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -79,16 +81,14 @@ def command_agent(command: str, endpoint: Endpoint, logs: Path, output_bytes: in
                     await proc.wait()
         finally:
             endpoint.close(key)
-            where.parent.mkdir(parents=True, exist_ok=True)
-            Path(f"{where}.out").write_bytes(out.kept())
-            Path(f"{where}.err").write_bytes(err.kept())
+            head = f"=== episode {ctx.index} of {record.query_id} (epoch {ctx.epoch}), exit code {proc and proc.returncode}"
+            _append(where, b"".join([f"{head}: stdout\n".encode(), out.kept(), f"\n{head}: stderr\n".encode(),
+                                     err.kept(), b"\n"]))  # fmt: skip
         if proc.returncode != 0:
-            raise _failure(
-                ctx, f"rollout.agent_command exited with {proc.returncode} (its output: {where}.out, .err)"
-            )
+            raise _failure(ctx, f"rollout.agent_command exited with {proc.returncode} (its output: {where})")
         lines = out.tail.decode(errors="replace").strip().splitlines()
         return _reward(
-            lines[-1] if lines else "", f"the last line of rollout.agent_command's stdout ({where}.out)"
+            lines[-1] if lines else "", f"the last line of rollout.agent_command's stdout ({where})"
         )
 
     return workflow
@@ -110,6 +110,16 @@ class Output:
     def kept(self) -> bytes:
         cut = self.total - len(self.head)
         return bytes(self.head) + (f"\n[cut: {cut} more bytes]\n".encode() if cut else b"")
+
+
+def _append(path: Path, data: bytes) -> None:
+    """One write, so that the blocks of a group's episodes never interleave."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
