@@ -40,6 +40,7 @@ COMPLETION_FIELDS = COMMON | {
     "echo",
     "best_of",
 }
+# Fields accepted at one value only, the one that changes nothing here.
 NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False,
            "top_logprobs": 0, "echo": False, "parallel_tool_calls": True, "response_format": {"type": "text"}}  # fmt: skip
 
@@ -52,11 +53,8 @@ class ApiError(Exception):
         self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "invalid_request_error"}.get(
-            self.status, "invalid_request_error"
-        )
-        if self.status >= 500:
-            kind = "server_error"
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        kind = "authentication_error" if self.status == 401 else kind
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
