@@ -1,7 +1,9 @@
-"""Multi-turn episodes through a whole run: the rollout role runs a user's workflow (tests/plugins), the
-trainer trains its per-turn samples, and every prompt is trained once (the ledger)."""
+"""Multi-turn episodes through a whole run: the rollout role runs a user's workflow or agent (tests/plugins),
+the trainer trains its per-turn samples, and every prompt is trained once (the ledger)."""
 
 from __future__ import annotations
+
+import pytest
 
 from areal_hpc.control import Ledger
 from areal_hpc.control.rundir import run_dir_of
@@ -9,6 +11,7 @@ from areal_hpc.launch.local import run_local
 from areal_hpc.monitor.stats import read_stats
 
 
+@pytest.mark.slow  # make test runs the agent's below: the same path, through the endpoint
 def test_an_asynchronous_run_trains_two_turn_episodes_and_drops_the_groups_that_hang(plugins, toy):
     steps = 4
     cfg = toy.config(
@@ -42,17 +45,25 @@ def test_an_agent_written_against_the_openai_sdk_is_trained_as_it_is(plugins, to
     steps = 3
     cfg = toy.config(
         "sdk-agent", steps, "async_rl=true", "max_head_offpolicyness=1", "n_rollout_workers=1",
-        "rollout.agent=sdk_agents:three_turns", "logging.progress=false",
+        "rollout.agent=sdk_agents:three_turns_or_hangs", "rollout.export=per_turn", "rollout.turn_discount=0.5",
+        "rollout.episode_timeout_secs=3", "logging.progress=false",
     )  # fmt: skip
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
     rows = [r for r in read_stats(run.stats) if "ppo_actor/n_seqs" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
-        # 4 prompts x 2 episodes, each one conversation of three chat calls through the endpoint.
-        assert r["ppo_actor/n_seqs"] == 8 and r["rollout/turns_per_episode"] == 3
+        # 4 prompts x 2 episodes, each one conversation of three chat calls through the endpoint, a sample a turn.
+        assert r["ppo_actor/n_seqs"] == 24 and r["rollout/turns_per_episode"] == 3
         assert r["rollout/breaks_per_episode"] == 0 and r["rollout/replayed_turns_per_episode"] == 0
         assert 0 < r["rollout/masked_token_share"] < 1
-    trained = [i for r in Ledger(run.ledger).records() for i in r.ids]
+    # The agents of one prompt in three never answer: their groups were dropped after 3 s each, recorded and
+    # counted; the run went on with the others, every prompt once.
+    records = list(Ledger(run.ledger).records())
+    trained = [i for r in records if not r.dropped for i in r.ids]
+    dropped = [i for r in records if r.dropped for i in r.ids]
     assert len(trained) == 4 * steps and len(set(trained)) == len(trained)
+    assert dropped and all(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in dropped)
+    assert not any(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in trained)
+    assert sum(r["rollout/dropped_groups"] for r in rows) == len(dropped)
     assert not list(run.episodes.glob("epoch*/*/*.jsonl"))  # each group's journals went with it

@@ -114,3 +114,10 @@ async def paced_turns(base_url, api_key, record):
             await asyncio.sleep(1.0)
             messages += [response.choices[0].message, {"role": "user", "content": f"And {turn}?"}]
         return float(len(messages) == 7)
+
+
+async def three_turns_or_hangs(base_url, api_key, record):
+    """three_turns, but the agents of one prompt in three never answer."""
+    if int(record.query_id.rsplit("-", 1)[-1]) % 3 == 0:
+        await asyncio.sleep(3600)
+    return await three_turns(base_url, api_key, record)
