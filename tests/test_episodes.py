@@ -17,27 +17,19 @@ from areal_hpc.agent.tools import CALCULATOR
 from areal_hpc.config import load_config
 from areal_hpc.control.manifest import write_manifest
 from areal_hpc.data import PromptSample, read_batch
-from areal_hpc.gen.backends.builtin.engine import Engine
-from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
-from areal_hpc.gen.client import GenClient
 from areal_hpc.gen.episode import EpisodeContext, Services
 from areal_hpc.gen.episodes import Episodes, GroupTimeout, episode_stats, episodes_step, run_group
 from areal_hpc.gen.rollout import pack_episodes
 from tests.helpers import REPO_ROOT as REPO
 
-TOKEN = "episode-test-token"
 RECORD = PromptSample("q1", "What is 47 * 38?", (1, 2, 3), "math", ("\\boxed{1786}",))
 TOOL = {"role": "tool", "name": "calculator", "content": "1786"}
 
 
 @pytest.fixture
-def client(tiny_model_dir):
-    engine = Engine(str(tiny_model_dir), seed=0, max_batch_size=8).start()
-    httpd = GenHTTPServer(("127.0.0.1", 0), App(engine, {}), TOKEN)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", TOKEN, timeout=120)
-    httpd.shutdown()
-    engine.stop()
+def client(builtin_client):
+    """A built-in server (engine + HTTP on a thread of this process) on the tiny model (conftest)."""
+    return builtin_client
 
 
 def services(tokenizer, *overrides: str) -> Services:

@@ -10,25 +10,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_hpc.control.manifest import write_manifest
-from areal_hpc.gen.backends.builtin.engine import Engine
-from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient
 from areal_hpc.gen.partial import Part, continuation_params, from_response, generate_group, version_of
 
-TOKEN = "partial-test-token"
 PROMPT = [5, 9, 2, 7]
 PARAMS = {"n": 3, "max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
 
 
 @pytest.fixture
-def client(tiny_model_dir):
-    """A built-in server (engine + HTTP on a thread of this process) on the tiny model."""
-    engine = Engine(str(tiny_model_dir), seed=0, max_batch_size=8).start()
-    httpd = GenHTTPServer(("127.0.0.1", 0), App(engine, {}), TOKEN)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", TOKEN, timeout=120)
-    httpd.shutdown()
-    engine.stop()
+def client(builtin_client):
+    """A built-in server (engine + HTTP on a thread of this process) on the tiny model (conftest)."""
+    return builtin_client
 
 
 def perturbed(model_dir, seed: int):
