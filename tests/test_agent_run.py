@@ -30,15 +30,8 @@ def test_an_asynchronous_run_trains_two_turn_episodes_and_drops_the_groups_that_
         assert r["rollout/turns_per_episode"] == 2 and r["rollout/tool_calls_per_episode"] == 1
         assert r["rollout/tool_error_ratio"] == 0 and 0 < r["rollout/masked_token_share"] < 1
         assert r["ppo_actor/token_offpolicyness/max"] <= 1 + 1  # eta 1, plus an update while a group ran
-    # The prompts whose episodes hang (one in three) were dropped after 3 s each, recorded and counted; the run
-    # went on with the others.
-    records = list(Ledger(run.ledger).records())
-    trained = [i for r in records if not r.dropped for i in r.ids]
-    dropped = [i for r in records if r.dropped for i in r.ids]
-    assert len(trained) == 4 * steps and len(set(trained)) == len(trained)  # every prompt once
-    assert dropped and all(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in dropped)
-    assert not any(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in trained)
-    assert sum(r["rollout/dropped_groups"] for r in rows) == len(dropped)
+    # The prompts whose episodes hang (one in three) were dropped after 3 s each; the run went on with the others.
+    check_hanging_prompts_dropped(run, rows, steps)
 
 
 def test_an_agent_written_against_the_openai_sdk_is_trained_as_it_is(plugins, toy):
@@ -57,13 +50,18 @@ def test_an_agent_written_against_the_openai_sdk_is_trained_as_it_is(plugins, to
         assert r["ppo_actor/n_seqs"] == 24 and r["rollout/turns_per_episode"] == 3
         assert r["rollout/breaks_per_episode"] == 0 and r["rollout/replayed_turns_per_episode"] == 0
         assert 0 < r["rollout/masked_token_share"] < 1
-    # The agents of one prompt in three never answer: their groups were dropped after 3 s each, recorded and
-    # counted; the run went on with the others, every prompt once.
+    # The agents of one prompt in three never answer: their groups were dropped after 3 s each.
+    check_hanging_prompts_dropped(run, rows, steps)
+    assert not list(run.episodes.glob("epoch*/*/*.jsonl"))  # each group's journals went with it
+
+
+def check_hanging_prompts_dropped(run, rows: list[dict], steps: int) -> None:
+    """Every prompt whose number is a multiple of 3 (they hang) was dropped, recorded and counted; every other
+    trained once, 4 a step."""
     records = list(Ledger(run.ledger).records())
     trained = [i for r in records if not r.dropped for i in r.ids]
     dropped = [i for r in records if r.dropped for i in r.ids]
-    assert len(trained) == 4 * steps and len(set(trained)) == len(trained)
+    assert len(trained) == 4 * steps and len(set(trained)) == len(trained)  # every prompt once
     assert dropped and all(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in dropped)
     assert not any(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in trained)
     assert sum(r["rollout/dropped_groups"] for r in rows) == len(dropped)
-    assert not list(run.episodes.glob("epoch*/*/*.jsonl"))  # each group's journals went with it
