@@ -71,7 +71,7 @@ def test_overrides_are_coerced_to_the_field_type():
             "actor.optimizer.lr=1e-5",
             "ppo.adv_norm=false",
             "ppo.c_clip=3",
-            "ppo.behav_imp_weight_cap=null",
+            "ppo.behav_correction.upper=null",
             "ppo.gen.stop_token_ids=7,9",
             "cluster.slurm.setup_commands=[module load cuda, source env.sh]",
             "trial_name=try-2",
@@ -81,7 +81,7 @@ def test_overrides_are_coerced_to_the_field_type():
     assert cfg.actor.optimizer.lr == 1e-5
     assert cfg.ppo.adv_norm is False
     assert cfg.ppo.c_clip == 3.0 and isinstance(cfg.ppo.c_clip, float)
-    assert cfg.ppo.behav_imp_weight_cap is None
+    assert cfg.ppo.behav_correction.upper is None
     assert cfg.ppo.gen.stop_token_ids == [7, 9]
     assert cfg.cluster.slurm.setup_commands == ["module load cuda", "source env.sh"]
     assert cfg.trial_name == "try-2"

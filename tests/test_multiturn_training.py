@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from areal_hpc.algo import actor_loss, compute_advantages
+from areal_hpc.algo.corrections import Correction
 from areal_hpc.config import load_config
 from areal_hpc.config.schema import MicroBatchSpec, OptimizerConfig, PPOConfig, TrainedModelConfig
 from areal_hpc.data.batch import write_batch
@@ -117,7 +118,7 @@ def loss_and_logit_grad(batch: dict, advantages: torch.Tensor, logits: torch.Ten
         torch.from_numpy(~batch["prompt_mask"]),
         c_clip=3.0,
         proximal_logprobs=torch.from_numpy(batch["proximal_logprobs"]),
-        behav_imp_weight_cap=5.0,
+        correction=Correction(upper=5.0),
     )
     loss.backward()
     return loss.detach(), stats, logits.grad

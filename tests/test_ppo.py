@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from areal_hpc.algo.aggregation import Totals
+from areal_hpc.algo.corrections import Correction
 from areal_hpc.algo.packing import AlgoInputError
 from areal_hpc.algo.ppo import actor_loss, critic_loss, masked_summary, summarize
 
@@ -98,7 +100,7 @@ def test_decoupled_loss_hand_case():
         t([1.0, 1.0, -1.0]),
         torch.ones(3, dtype=torch.bool),
         proximal_logprobs=prox,
-        behav_imp_weight_cap=5.0,
+        correction=Correction(),  # the default: what behav_imp_weight_cap 5 was
     )
     # PPO terms -1.1, -1, 1 times weights 2, 0.5, 0; the capped token still counts in the normaliser.
     assert loss.item() == pytest.approx((-2.2 - 0.5 + 0.0) / 3)
@@ -161,8 +163,8 @@ def test_actor_loss_matches_naive_reference(c_clip, decoupled, cap):
             eps_clip=0.2,
             c_clip=c_clip,
             proximal_logprobs=prox,
-            behav_imp_weight_cap=cap,
-            loss_normalizer=normalizer,
+            correction=Correction(upper=cap) if decoupled else None,
+            totals=Totals(tokens=normalizer, seqs=1),
         )
         loss.backward()
         ref_logp = x["logp"].clone().requires_grad_(True)
@@ -184,7 +186,7 @@ def test_micro_batch_losses_add_up_to_the_minibatch_mean():
             x["adv"][s],
             x["mask"][s],
             proximal_logprobs=x["prox"][s],
-            loss_normalizer=n_valid,
+            totals=Totals(tokens=n_valid, seqs=1),
         )[0]
         for s in parts
     )
@@ -196,14 +198,14 @@ def test_actor_loss_rejects_bad_input():
     mask = torch.ones(2, dtype=torch.bool)
     with pytest.raises(AlgoInputError, match=r"advantages has shape \(3,\), expected \(2,\)"):
         actor_loss(logp, old, t([1.0, 1.0, 1.0]), mask)
-    with pytest.raises(AlgoInputError, match="c_clip .* must be > 1, got 0.5"):
+    with pytest.raises(AlgoInputError, match=r"c_clip \(dual clip\) must be > 1 .* got 0.5"):
         actor_loss(logp, old, adv, mask, c_clip=0.5)
-    with pytest.raises(AlgoInputError, match="behav_imp_weight_cap=5.0 needs proximal_logprobs"):
-        actor_loss(logp, old, adv, mask, behav_imp_weight_cap=5.0)
+    with pytest.raises(AlgoInputError, match="kl_coef=0.1 .* needs ref_logprobs"):
+        actor_loss(logp, old, adv, mask, kl_coef=0.1)
     with pytest.raises(AlgoInputError, match="eps_clip must be in"):
         actor_loss(logp, old, adv, mask, eps_clip=1.5)
-    with pytest.raises(AlgoInputError, match="loss_normalizer must be positive, got 0"):
-        actor_loss(logp, old, adv, mask, loss_normalizer=0)
+    with pytest.raises(AlgoInputError, match="unknown policy_loss 'ppo2'"):
+        actor_loss(logp, old, adv, mask, policy_loss="ppo2")
 
 
 # --- critic -------------------------------------------------------------------------------------------

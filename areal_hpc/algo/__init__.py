@@ -1,7 +1,9 @@
 """The algorithm, as pure functions of arrays: PPO/GRPO losses and advantages, sequence packing, the math reward.
 
-ppo         the (decoupled) clipped objective, the value loss, masked statistics
-advantages  per-token rewards, GAE over packed sequences, advantage normalisation
+ppo         the policy losses (PPO, GSPO, CISPO; decoupled), the value loss, masked statistics
+corrections off-policy corrections of the behaviour policy, KL estimators, the loglinear proximal policy
+aggregation the weight of each token's loss in a minibatch (loss_agg_mode), with global normalisers
+advantages  reward shaping, group baselines, per-token rewards, GAE, normalisation, distillation
 packing     packed-sequence bookkeeping, balanced partitions, first-fit-decreasing micro-batches
 math_parse  the math reward's rule: the last box of a response against the reference, by Math-Verify
 math_numbers the original's numeric rules where Math-Verify says no: relative 1e-4, percentages
@@ -14,7 +16,9 @@ import importlib
 # Imported when first used: the math reward's worker processes import this package to reach math_parse, and
 # must not pay for torch (the losses' and advantages' modules) at every start.
 _HOME = {
-    "compute_advantages": "advantages", "response_mask": "advantages",
+    "compute_advantages": "advantages", "response_mask": "advantages", "Overlong": "advantages",
+    "Totals": "aggregation", "local_totals": "aggregation",
+    "Correction": "corrections", "loglinear_proximal": "corrections",
     "reference_answer": "math_parse", "response_answer": "math_parse", "numbers_agree": "math_numbers",
     "MathVerifier": "math_verify", "VerifierError": "math_verify",
     "Outcome": "timed_pool", "PoolError": "timed_pool", "TimedPool": "timed_pool",
@@ -32,6 +36,11 @@ def __getattr__(name: str):
 
 __all__ = [
     "AlgoInputError",
+    "Correction",
+    "Overlong",
+    "Totals",
+    "local_totals",
+    "loglinear_proximal",
     "MaskedStat",
     "MathVerifier",
     "Outcome",

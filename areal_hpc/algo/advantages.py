@@ -8,9 +8,11 @@ prefix ending at token t, so the state *before* action t has value ``values[t-1]
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from areal_hpc.algo.corrections import kl_estimate
 from areal_hpc.algo.packing import AlgoInputError, check_cu_seqlens, first_token_mask, seq_index
 
 # Sums a tensor elementwise across data-parallel ranks and returns the result.
@@ -68,14 +70,15 @@ def token_rewards(
     logp_behav: torch.Tensor | None = None,
     logp_ref: torch.Tensor | None = None,
     kl_ctl: float = 0.1,
+    kl_estimator: str = "k1",
     max_reward_clip: float = 20.0,
     mask_no_eos_with_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: KL penalty on response tokens plus the clipped sequence score at the last token.
 
     ``scores`` (B) are the already scaled task rewards. Returns ``(rewards, kl_rewards)``, both length T,
-    where ``kl_rewards = -kl_ctl * (logp_behav - logp_ref)`` on ``loss_mask`` and 0 elsewhere. The
-    logprobs may be omitted when ``kl_ctl == 0`` (no reference model).
+    where ``kl_rewards = -kl_ctl * k(logp_behav, logp_ref)`` on ``loss_mask`` and 0 elsewhere (k: the
+    ``kl_estimator``; k1 is ``logp_behav - logp_ref``). The logprobs may be omitted when ``kl_ctl == 0``.
     """
     cu = check_cu_seqlens(cu_seqlens, total=loss_mask.shape[0])
     _check_same_length(cu, logp_behav=logp_behav, logp_ref=logp_ref)
@@ -87,7 +90,8 @@ def token_rewards(
 
     dtype = scores.dtype if scores.is_floating_point() else torch.float32
     if kl_ctl != 0:
-        kl_rewards = torch.where(loss_mask.bool(), -kl_ctl * (logp_behav - logp_ref), 0.0).to(dtype)
+        kl = kl_estimate(logp_behav, logp_ref, kl_estimator)
+        kl_rewards = torch.where(loss_mask.bool(), -kl_ctl * kl, 0.0).to(dtype)
     else:
         kl_rewards = torch.zeros(loss_mask.shape[0], dtype=dtype, device=loss_mask.device)
     score = scores.to(dtype).clamp(-max_reward_clip, max_reward_clip)
@@ -231,6 +235,57 @@ def group_masked_normalize(
     return _normalize_with(x, mask, mean[group], std[group], eps)
 
 
+def _group_of_seq(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense group index (0..G-1) of each sequence, and G."""
+    _, group = torch.unique(group_ids, return_inverse=True)
+    return group, int(group.max()) + 1 if len(group) else 0
+
+
+def group_baseline(scores: torch.Tensor, group_ids: torch.Tensor, kind: str = "mean") -> torch.Tensor:
+    """Each answer's score minus a baseline of its prompt's group: ``mean`` (the group's mean: Dr.GRPO,
+    REINFORCE++-baseline) or ``leave_one_out`` (the mean of the others: RLOO, ``n/(n-1) (R - mean)``). An
+    answer alone in its group gets 0 (no baseline to learn from). ``none`` returns the scores."""
+    if kind == "none":
+        return scores
+    if kind not in ("mean", "leave_one_out"):
+        raise AlgoInputError(f"unknown group baseline {kind!r} (valid: none, mean, leave_one_out)")
+    if group_ids.shape != scores.shape:
+        raise AlgoInputError(f"group_ids {tuple(group_ids.shape)} and scores {tuple(scores.shape)} differ")
+    group, n_groups = _group_of_seq(group_ids)
+    x = scores.double()
+    sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, x)[group]
+    counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(x))[group]
+    centred = x - sums / counts
+    if kind == "leave_one_out":
+        centred = centred * counts / (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, centred, 0.0).to(scores.dtype)
+
+
+def overlong_penalty(
+    answer_lens: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong penalty of each answer: 0 up to ``max_len - buffer`` tokens, then falling linearly
+    to ``-factor`` at ``max_len``, and ``-factor`` beyond."""
+    if not 0 < buffer <= max_len:
+        raise AlgoInputError(f"overlong buffer must be in [1, max_len={max_len}], got {buffer}")
+    excess = (answer_lens.double() - (max_len - buffer)) / buffer
+    return -factor * excess.clamp(0.0, 1.0)
+
+
+def answer_lengths(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Tokens of each sequence the policy sampled (its loss-mask tokens)."""
+    n = len(cu_seqlens) - 1
+    return torch.zeros(n, dtype=torch.int64).index_add_(0, seq_index(cu_seqlens), loss_mask.long())
+
+
+class Overlong(NamedTuple):
+    """DAPO's soft overlong penalty: answers reaching into the last ``buffer`` of ``max_len`` tokens."""
+
+    max_len: int
+    buffer: int
+    factor: float = 1.0
+
+
 def compute_advantages(
     *,
     scores: torch.Tensor,
@@ -241,44 +296,68 @@ def compute_advantages(
     logp_ref: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
     kl_ctl: float = 0.1,
+    kl_estimator: str = "k1",
     discount: float = 1.0,
     gae_lambda: float = 1.0,
     max_reward_clip: float = 20.0,
     mask_no_eos_with_zero: bool = False,
+    baseline: str = "none",
     adv_norm: bool = True,
     group_adv_norm: bool = False,
     group_size: int | None = None,
     group_ids: torch.Tensor | None = None,
+    overlong: Overlong | None = None,
+    overlong_filter: bool = False,
+    logp_teacher: torch.Tensor | None = None,
+    distill_coef: float = 0.0,
+    distill_alone: bool = False,
     reduce_fn: Reducer | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The whole pre-update pipeline: loss mask, rewards, GAE and (group) normalisation.
+    """The whole pre-update pipeline: loss mask, reward shaping, rewards, GAE and (group) normalisation.
 
-    Defaults follow the ``ppo.*`` options. With ``adv_norm``, ``group_adv_norm`` selects per-group
-    normalisation (needs ``group_size`` or ``group_ids``) instead of the batch-wide one, which uses
-    ``reduce_fn`` across ranks. Returns ``loss_mask``, ``rewards``, ``kl_rewards``, ``advantages``
-    and ``returns`` (advantages and returns are 0 outside the loss mask).
+    Defaults follow the ``ppo.*`` options. The scores get the ``overlong`` penalty, then lose the group
+    ``baseline`` (needs ``group_ids`` or ``group_size``). With ``adv_norm``, ``group_adv_norm`` selects
+    per-group normalisation instead of the batch-wide one, which uses ``reduce_fn`` across ranks.
+    ``overlong_filter`` then leaves truncated answers out of the loss mask. With ``distill_coef``, each token
+    gains the advantage ``distill_coef * (logp_teacher - logp_behav)`` (alone with ``distill_alone``).
+    Returns ``loss_mask``, ``rewards``, ``kl_rewards``, ``advantages`` and ``returns`` (advantages and
+    returns are 0 outside the loss mask).
     """
-    loss_mask = response_mask(prompt_mask, cu_seqlens)
+    cu = check_cu_seqlens(cu_seqlens, total=prompt_mask.shape[0])
+    loss_mask = response_mask(prompt_mask, cu)
+    if group_ids is None and group_size is not None:
+        group_ids = group_ids_of(len(cu) - 1, group_size)
+    if overlong is not None:
+        lengths = answer_lengths(loss_mask, cu)
+        scores = scores + overlong_penalty(lengths, *overlong).to(scores.dtype)
+    if baseline != "none":
+        if group_ids is None:
+            raise AlgoInputError(f"group baseline {baseline!r} needs group_ids or group_size")
+        scores = group_baseline(scores, group_ids, baseline)
     rewards, kl_rewards = token_rewards(
         scores,
         loss_mask,
-        cu_seqlens,
+        cu,
         seq_no_eos_mask,
         logp_behav=logp_behav,
         logp_ref=logp_ref,
         kl_ctl=kl_ctl,
+        kl_estimator=kl_estimator,
         max_reward_clip=max_reward_clip,
         mask_no_eos_with_zero=mask_no_eos_with_zero,
     )
-    advantages, returns = gae(
-        rewards, values, cu_seqlens, seq_no_eos_mask, discount=discount, gae_lambda=gae_lambda
-    )
+    advantages, returns = gae(rewards, values, cu, seq_no_eos_mask, discount=discount, gae_lambda=gae_lambda)
     if adv_norm and group_adv_norm:
-        advantages = group_masked_normalize(
-            advantages, loss_mask, cu_seqlens, group_size=group_size, group_ids=group_ids
-        )
+        advantages = group_masked_normalize(advantages, loss_mask, cu, group_ids=group_ids)
     elif adv_norm:
         advantages = masked_normalize(advantages, loss_mask, reduce_fn=reduce_fn)
+    if distill_coef:
+        if logp_teacher is None or logp_behav is None:
+            raise AlgoInputError(f"distill_coef={distill_coef} needs logp_teacher and logp_behav")
+        distill = (distill_coef * (logp_teacher - logp_behav)).to(advantages.dtype)
+        advantages = distill if distill_alone else advantages + distill
+    if overlong_filter:
+        loss_mask = loss_mask & ~seq_no_eos_mask.bool()[seq_index(cu)]
     return {
         "loss_mask": loss_mask,
         "rewards": rewards,

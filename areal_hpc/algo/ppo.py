@@ -1,10 +1,11 @@
-"""PPO actor and critic losses, with the decoupled (stale-data) objective, and their statistics.
+"""The policy losses (PPO, GSPO, CISPO; decoupled for stale data) and the critic loss, and their statistics.
 
 Inputs are token-aligned packed tensors of one micro-batch (see ``areal_hpc.algo.packing``); only
-positions where ``loss_mask`` holds contribute. Losses are *sums* over valid tokens divided by
-``loss_normalizer``: pass the number of valid tokens of the whole minibatch (over all its
-micro-batches, and over all data-parallel ranks if gradients are summed across ranks) and the
-micro-batch losses add up to the minibatch mean. Without it a call averages over its own tokens.
+positions where ``loss_mask`` holds contribute. The policy loss aggregates its token losses with the
+minibatch's totals (``algo.aggregation``); the critic's sum is divided by ``loss_normalizer``: pass the
+number of valid tokens of the whole minibatch (over all its micro-batches, and over all data-parallel
+ranks if gradients are summed across ranks) and the micro-batch losses add up to the minibatch mean.
+Without it a call averages over its own tokens.
 
 Statistics use the original's names (REFERENCE section 5). A statistic is either a scalar or a
 ``(values, mask)`` pair of per-token tensors; ``summarize`` turns them into ``name/avg|min|max``.
@@ -17,8 +18,11 @@ from collections.abc import Mapping
 import torch
 
 from areal_hpc.algo.advantages import Reducer
-from areal_hpc.algo.packing import AlgoInputError
+from areal_hpc.algo.aggregation import Totals, aggregate
+from areal_hpc.algo.corrections import Correction, behaviour_weight, kl_estimate
+from areal_hpc.algo.packing import AlgoInputError, seq_index
 
+POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
 MaskedStat = tuple[torch.Tensor, torch.Tensor]
 Stats = dict[str, MaskedStat | torch.Tensor | float]
 
@@ -40,29 +44,82 @@ def _normalizer(mask: torch.Tensor, loss_normalizer: float | torch.Tensor | None
     return loss_normalizer
 
 
+def _surrogate(
+    kind: str,
+    logprobs: torch.Tensor,
+    base: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_loss, ratio, clipped_low, clipped_high)`` of the policy loss ``kind`` (before dual clip)."""
+    # Masked positions get log-ratio 0 so padding garbage cannot overflow exp().
+    log_ratio = torch.where(mask, logprobs - base, 0.0)
+    if kind in ("gspo", "gspo_token"):  # the answer's geometric mean ratio s, on each of its tokens
+        seq, n_seqs = seq_index(cu_seqlens), len(cu_seqlens) - 1
+        sums = torch.zeros(n_seqs, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
+            0, seq, log_ratio
+        )
+        counts = torch.zeros(n_seqs, dtype=log_ratio.dtype, device=mask.device).index_add(
+            0, seq, mask.to(log_ratio.dtype)
+        )
+        log_s = (sums / counts.clamp(min=1))[seq]
+        if kind == "gspo_token":  # s's value, each token's own gradient: sg(s) * pi / sg(pi)
+            log_s = log_s.detach() + logprobs - logprobs.detach()
+        log_ratio = torch.where(mask, log_s, 0.0)
+    ratio = torch.exp(log_ratio)
+    low, high = 1 - eps_low, 1 + eps_high
+    if kind == "cispo":  # REINFORCE on log pi, weighted by the clipped ratio without its gradient
+        ratio = ratio.detach()
+        token_loss = -adv * ratio.clamp(low, high) * logprobs
+        return token_loss, ratio, (ratio < low) & mask, (ratio > high) & mask
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(low, high)
+    clipped = (loss_clipped > loss_unclipped).detach() & mask
+    return torch.maximum(loss_unclipped, loss_clipped), ratio, clipped & (ratio < 1), clipped & (ratio > 1)
+
+
 def actor_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
+    cu_seqlens: torch.Tensor | None = None,
+    policy_loss: str = "ppo",
     eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
-    behav_imp_weight_cap: float | None = None,
+    correction: Correction | None = None,
     early_stop_imp_ratio: float | None = None,
-    loss_normalizer: float | torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    totals: Totals | None = None,
+    norm_len: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k1",
     reduce_fn: Reducer | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """Clipped PPO policy loss; returns ``(loss, stats)``. Only ``logprobs`` carries gradient.
+    """The policy loss ``policy_loss`` of one micro-batch; returns ``(loss, stats)``. Only ``logprobs`` carries
+    gradient. ``cu_seqlens`` (None: one sequence) delimits the answers of sequence-level quantities.
 
-    ``r = exp(logprobs - base)`` with base = ``proximal_logprobs`` (decoupled loss) or ``old_logprobs``
-    (the behaviour policy's). Per token: ``max(-A*r, -A*clip(r, 1-eps_clip, 1+eps_clip))``; with
-    ``c_clip`` (> 1) tokens with A < 0 are further capped at ``-A*c_clip`` (dual clip). Decoupled:
-    each token is weighted by ``w = exp(proximal - old)``, and tokens with ``w > behav_imp_weight_cap``
-    get weight 0 (they stay in the normaliser). If the mean of r over valid tokens (summed over ranks
-    by ``reduce_fn``) exceeds ``early_stop_imp_ratio``, the loss is multiplied by 0; like the original,
-    this is judged per call, i.e. per micro-batch.
+    ``r = pi / base`` with base = ``proximal_logprobs`` (decoupled loss) or ``old_logprobs`` (the behaviour
+    policy mu). Per token:
+
+    - ppo: ``max(-A*r, -A*clip(r, 1-eps_clip, 1+eps_clip_higher))``; ``c_clip`` (> 1) further caps tokens with
+      A < 0 at ``-A*c_clip`` (dual clip). gspo: the same with r the answer's geometric mean ratio s (its
+      gradient spread over the answer); gspo_token: ``sg(s) * pi/sg(pi)``. cispo: ``-sg(clip(r)) * A * log pi``.
+    - The behaviour weight pi_prox/mu multiplies each token (decoupled), corrected by ``correction``; without a
+      proximal policy, the correction compares the current policy (detached) with mu and multiplies by its
+      corrected weight over the weight r already holds. Masked tokens stay in the normaliser.
+    - ``kl_coef * k(pi, ref)`` (``kl_estimator``) is added with ``ref_logprobs`` (the KL penalty in the loss).
+
+    Token losses are aggregated by ``loss_agg_mode`` with the minibatch's ``totals`` (None: this call is the
+    minibatch). If the mean of r over valid tokens (summed over ranks by ``reduce_fn``) exceeds
+    ``early_stop_imp_ratio``, the loss is multiplied by 0; like the original, judged per micro-batch.
     """
     mask = _check_shapes(
         loss_mask,
@@ -70,25 +127,29 @@ def actor_loss(
         old_logprobs=old_logprobs,
         advantages=advantages,
         proximal_logprobs=proximal_logprobs,
+        ref_logprobs=ref_logprobs,
     )
-    if not 0 < eps_clip < 1:
-        raise AlgoInputError(f"eps_clip must be in (0, 1), got {eps_clip}")
-    if c_clip is not None and c_clip <= 1:
-        raise AlgoInputError(f"c_clip (dual clip) must be > 1, got {c_clip}")
-    if behav_imp_weight_cap is not None and (proximal_logprobs is None or behav_imp_weight_cap <= 1):
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, mask.shape[0]], device=mask.device)
+    eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    if policy_loss not in POLICY_LOSSES:
+        raise AlgoInputError(f"unknown policy_loss {policy_loss!r} (valid: {', '.join(POLICY_LOSSES)})")
+    if not 0 < eps_clip <= 1 or eps_high <= 0:
         raise AlgoInputError(
-            f"behav_imp_weight_cap={behav_imp_weight_cap} needs proximal_logprobs and must be > 1"
+            f"eps_clip must be in (0, 1] and eps_clip_higher positive, got {eps_clip}, {eps_high}"
         )
+    if c_clip is not None and (c_clip <= 1 or policy_loss == "cispo"):
+        raise AlgoInputError(
+            f"c_clip (dual clip) must be > 1 and is not of cispo, got {c_clip} with {policy_loss}"
+        )
+    if kl_coef and ref_logprobs is None:
+        raise AlgoInputError(f"kl_coef={kl_coef} (the KL penalty in the loss) needs ref_logprobs")
     adv = advantages.detach()
     base = (old_logprobs if proximal_logprobs is None else proximal_logprobs).detach()
-
-    # Masked positions get log-ratio 0 so padding garbage cannot overflow exp().
-    log_ratio = torch.where(mask, logprobs - base, 0.0)
-    ratio = torch.exp(log_ratio)
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1 - eps_clip, 1 + eps_clip)
-    token_loss = torch.maximum(loss_unclipped, loss_clipped)
-    clip_mask = (loss_clipped > loss_unclipped).detach() & mask
+    token_loss, ratio, clip_low, clip_high = _surrogate(
+        policy_loss, logprobs, base, adv, mask, cu_seqlens, eps_clip, eps_high
+    )
+    clip_mask = clip_low | clip_high
     dual_clip_mask = torch.zeros_like(mask)
     if c_clip is not None:
         dual_cap = -adv * c_clip
@@ -96,20 +157,29 @@ def actor_loss(
         token_loss = torch.where(adv < 0, torch.minimum(token_loss, dual_cap), token_loss)
 
     stats: Stats = {}
-    if proximal_logprobs is not None:
-        behave_log_ratio = torch.where(mask, proximal_logprobs - old_logprobs, 0.0).detach()
-        behave_weight = torch.exp(behave_log_ratio)
-        behave_mask = mask.clone()
-        if behav_imp_weight_cap is not None:
-            behave_mask &= behave_weight <= behav_imp_weight_cap
-        behave_weight = torch.where(behave_mask, behave_weight, 0.0)
-        token_loss = token_loss * behave_weight
-        stats["behave_imp_weight"] = (behave_weight, behave_mask)
-        stats["behave_approx_kl"] = (behave_log_ratio, behave_mask)
-        stats["unclipped_behave_tokens"] = behave_mask.sum()
+    if proximal_logprobs is not None or correction is not None:
+        three_policy = proximal_logprobs is not None
+        target = proximal_logprobs if three_policy else logprobs
+        weight, raw, kept = behaviour_weight(
+            target, old_logprobs, mask, cu_seqlens, correction or Correction(upper=None)
+        )
+        # Two policies: r already holds the raw weight pi/mu, so only the correction's change is applied.
+        token_loss = token_loss * (weight if three_policy else weight / torch.where(mask, raw, 1.0))
+        behave_log_ratio = torch.where(mask, target - old_logprobs, 0.0).detach()
+        stats["behave_imp_weight"] = (weight, kept)
+        stats["behave_approx_kl"] = (behave_log_ratio, kept)
+        stats["unclipped_behave_tokens"] = kept.sum()
+        if correction is not None and correction.action == "mask":
+            stats["behave_masked_ratio"] = ((mask & ~kept).float(), mask)
+        elif correction is not None:
+            stats["behave_clamped_ratio"] = ((weight != raw).float(), mask)
 
-    token_loss = torch.where(mask, token_loss, 0.0)
-    loss = token_loss.sum() / _normalizer(mask, loss_normalizer)
+    stats["actor_loss"] = (token_loss.detach(), mask)
+    if kl_coef:
+        kl = kl_estimate(logprobs, ref_logprobs.detach(), kl_estimator)
+        token_loss = token_loss + kl_coef * kl
+        stats["kl_loss"] = (kl.detach(), mask)
+    loss = aggregate(token_loss, mask, cu_seqlens, loss_agg_mode, totals, norm_len)
 
     mean_ratio = _global_mean(ratio.detach(), mask, reduce_fn)
     early_stopped = early_stop_imp_ratio is not None and bool(mean_ratio > early_stop_imp_ratio)
@@ -122,10 +192,11 @@ def actor_loss(
         clipped_tokens=clip_mask.sum(),
         dual_clipped_tokens=dual_clip_mask.sum(),
         importance_weight=(ratio.detach(), mask),
-        approx_kl=(-log_ratio.detach(), mask),
+        approx_kl=(-torch.where(mask, logprobs - base, 0.0).detach(), mask),
         clip_ratio=(clip_mask.float(), mask),
+        clip_ratio_low=(clip_low.float(), mask),
+        clip_ratio_high=(clip_high.float(), mask),
         dual_clip_ratio=(dual_clip_mask.float(), mask),
-        actor_loss=(token_loss.detach(), mask),
         advantages=(adv, mask),
         new_logp=(logprobs.detach(), mask),
         old_logp=(old_logprobs.detach(), mask),

@@ -1,8 +1,11 @@
 """Configuration: the schema, YAML loading with overrides, validation, the backends' table, generated docs.
 
 schema    the dataclasses of every option (help text, choices, bounds); ConfigError, InputError
+algorithm the algorithm's sections of the schema (ppo, ppo.gen, ppo.behav_correction), re-exported by schema
+fields    `opt`, the field maker of schema and algorithm
 loader    YAML files and `key=value` overrides into the schema, each value remembering its file:line
 checks    per-field bounds and choices, cross-field rules, allocation_mode against backends and cluster
+inert     options that do nothing in the mode a config runs in: refused where set, else dropped
 backends  the training and generation backends a config can name, and what each can do
 extensions the user's code a config names (reward.fn, dataset.loader, actor.interface): forms, import, signature
 docs      docs/config.md and `areal-hpc config options`, rendered from the schema
@@ -16,6 +19,7 @@ from areal_hpc.config.extensions import ExtensionError
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
 from areal_hpc.config.schema import (
     ActorConfig,
+    BehavCorrectionConfig,
     ConfigError,
     DatasetConfig,
     EvalConfig,
@@ -38,6 +42,7 @@ __all__ = [
     "megatron_model_problems",
     "ActorConfig",
     "Backend",
+    "BehavCorrectionConfig",
     "ExtensionError",
     "ConfigError",
     "DatasetConfig",

@@ -83,6 +83,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         out.append("'eval.data_dir' is required when 'eval.enabled' is true: the folder of <name>.jsonl sets")
     if cfg.ppo.group_adv_norm and cfg.group_size < 2:
         out.append("'ppo.group_adv_norm' needs 'group_size' >= 2")
+    out += algorithm_problems(cfg)
     for name, model in trainer_models(cfg).items():
         backend = TRAIN_BACKENDS.get(model.backend)
         if backend is None:  # the choices check names it
@@ -100,6 +101,80 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
                 f"'{name}.optimizer.offload' needs a backend that offloads ({', '.join(able)}); "
                 f"'{name}.backend' is {model.backend!r}"
             )
+    return out
+
+
+def algorithm_problems(cfg: ExperimentConfig) -> list[str]:
+    """Combinations of the algorithm's options (config/algorithm.py) that cannot work together, in RL; the
+    options that merely do nothing somewhere are config/inert.py's."""
+    if cfg.experiment_type != "ppo":
+        return []  # a supervised warm-up takes none of them (inert.py refuses those set)
+    ppo, out = cfg.ppo, []
+    if ppo.policy_loss == "gspo" and ppo.loss_agg_mode in ("token-mean", "token-sum"):
+        out.append(
+            f"'ppo.policy_loss' gspo has one loss per answer (its sequence ratio), but 'ppo.loss_agg_mode' "
+            f"{ppo.loss_agg_mode} weighs answers by their length: give ppo.loss_agg_mode=seq-mean-token-mean "
+            "(or policy_loss gspo_token, GSPO's token variant)"
+        )
+    if ppo.distill_coef > 0 and not cfg.teacher.path:
+        out.append(
+            f"'ppo.distill_coef' is {ppo.distill_coef}, but 'teacher.path' is not set: on-policy distillation "
+            "needs teacher.path, the teacher model's directory"
+        )
+    if ppo.policy_loss == "cispo" and ppo.c_clip is not None:
+        out.append(
+            "'ppo.c_clip' (dual clip) bounds the PPO loss of negative advantages, but 'ppo.policy_loss' cispo "
+            "clips its importance weight instead: give c_clip=null"
+        )
+    if ppo.prox_logp_method == "loglinear" and not ppo.use_decoupled_loss:
+        out.append(
+            "'ppo.prox_logp_method' loglinear approximates the proximal policy of the decoupled loss, but "
+            "'ppo.use_decoupled_loss' is false: give use_decoupled_loss=true, or prox_logp_method=recompute"
+        )
+    out += _behav_correction_problems(cfg)
+    if ppo.group_baseline == "leave_one_out" and cfg.group_size < 2:
+        out.append(
+            f"'ppo.group_baseline' leave_one_out needs 'group_size' >= 2 (the other answers of the prompt); "
+            f"group_size is {cfg.group_size}"
+        )
+    if ppo.group_baseline != "none" and ppo.adv_norm and ppo.group_adv_norm:
+        out.append(
+            f"'ppo.group_baseline' {ppo.group_baseline} with 'ppo.group_adv_norm' true: group normalisation "
+            "already subtracts the group's mean; give ppo.group_adv_norm=false (or group_baseline=none)"
+        )
+    if ppo.overlong_buffer is not None and round(ppo.overlong_buffer * ppo.gen.max_new_tokens) < 1:
+        out.append(
+            f"'ppo.overlong_buffer' {ppo.overlong_buffer} of 'ppo.gen.max_new_tokens' {ppo.gen.max_new_tokens} "
+            "is less than one token: give a larger share, or overlong_buffer=null"
+        )
+    if cfg.dynamic_sampling and cfg.group_size < 2:
+        out.append(
+            "'dynamic_sampling' drops the groups whose answers all have the same reward, and with 'group_size' "
+            "1 every group has: give group_size >= 2, or dynamic_sampling=false"
+        )
+    return out
+
+
+def _behav_correction_problems(cfg: ExperimentConfig) -> list[str]:
+    """Bounds of ppo.behav_correction that cannot mean anything."""
+    bc, key, out = cfg.ppo.behav_correction, "ppo.behav_correction", []
+    if bc.action == "clamp" and bc.metric != "ratio":
+        out.append(
+            f"'{key}.action' clamp clips the importance weight, but '{key}.metric' is {bc.metric}: give "
+            f"{key}.metric=ratio, or action=mask to drop the tokens whose {bc.metric} leaves the bounds"
+        )
+    if bc.action == "clamp" and bc.lower is None and bc.upper is None:
+        out.append(
+            f"'{key}.action' clamp, but '{key}.lower' and '{key}.upper' are both null: nothing to clamp; "
+            "give a bound"
+        )
+    if bc.lower is not None and bc.upper is not None and bc.lower >= bc.upper:
+        out.append(f"'{key}.lower' ({bc.lower}) is not below '{key}.upper' ({bc.upper})")
+    if bc.metric == "ratio" and bc.lower is not None and bc.lower < 0:
+        out.append(
+            f"'{key}.lower' is {bc.lower}, but '{key}.metric' ratio is never negative: give a lower bound "
+            ">= 0, or null"
+        )
     return out
 
 
@@ -270,15 +345,18 @@ MFCS_OF = {
     "actor": ("actor_train", "actor_inf"),
     "critic": ("critic_train", "critic_inf"),
     "ref": ("ref_inf",),
+    "teacher": ("teacher_inf",),
 }
 
 
 def trainer_models(cfg: ExperimentConfig) -> dict[str, ModelConfig]:
     """The models the trainer ranks host, by name: the actor; the reference policy with a KL penalty (its path
-    defaults to the actor's); the critic unless disable_value."""
+    defaults to the actor's); the teacher of on-policy distillation; the critic unless disable_value."""
     models: dict[str, ModelConfig] = {"actor": cfg.actor}
     if cfg.experiment_type == "ppo" and cfg.ppo.kl_ctl > 0:
         models["ref"] = cfg.ref if cfg.ref.path else dataclasses.replace(cfg.ref, path=cfg.actor.path)
+    if cfg.experiment_type == "ppo" and cfg.ppo.distill_coef > 0:
+        models["teacher"] = cfg.teacher
     if cfg.experiment_type == "ppo" and not cfg.ppo.disable_value:
         models["critic"] = cfg.critic
     return models

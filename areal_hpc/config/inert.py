@@ -69,10 +69,44 @@ RULES = (
         ("ppo.ppo_n_minibatches", "ppo.eps_clip", "ppo.c_clip", "ppo.value_eps_clip", "ppo.early_stop_imp_ratio",
          "ppo.kl_ctl", "ppo.discount", "ppo.gae_lambda", "ppo.reward_output_scaling", "ppo.reward_output_bias",
          "ppo.max_reward_clip", "ppo.adv_norm", "ppo.group_adv_norm", "ppo.mask_no_eos_with_zero",
-         "ppo.disable_value", "ppo.recompute_logprob", "ppo.use_decoupled_loss", "ppo.behav_imp_weight_cap",
-         "group_size", "actor_inf."),
+         "ppo.disable_value", "ppo.recompute_logprob", "ppo.use_decoupled_loss", "ppo.policy_loss",
+         "ppo.eps_clip_higher", "ppo.loss_agg_mode", "ppo.group_baseline", "ppo.overlong_filter",
+         "ppo.overlong_buffer", "ppo.prox_logp_method", "ppo.distill_coef", "group_size", "dynamic_sampling",
+         "actor_inf."),
         ("experiment_type",), lambda c: not _rl(c),
         "it applies to RL (experiment_type: ppo); a supervised warm-up trains on the reference solutions",
+    ),
+    Rule(
+        ("ppo.kl_estimator", "ppo.kl_in"), ("ppo.kl_ctl", "experiment_type"),
+        lambda c: c.ppo.kl_ctl == 0 or not _rl(c),
+        "there is no KL penalty (ppo.kl_ctl: 0, or experiment_type: sft)",
+    ),
+    Rule(
+        ("ppo.overlong_penalty_factor",), ("ppo.overlong_buffer", "experiment_type"),
+        lambda c: c.ppo.overlong_buffer is None or not _rl(c),
+        "there is no soft overlong penalty (ppo.overlong_buffer: null, or experiment_type: sft)",
+    ),
+    Rule(
+        ("ppo.recompute_logprob",), ("ppo.prox_logp_method", "experiment_type"),
+        lambda c: c.ppo.prox_logp_method == "loglinear" and _rl(c),
+        "ppo.prox_logp_method loglinear approximates the proximal logprobs instead of recomputing them",
+    ),
+    Rule(
+        ("ppo.behav_correction.",), ("ppo.recompute_logprob", "ppo.use_decoupled_loss", "experiment_type"),
+        lambda c: (c.ppo.recompute_logprob and not c.ppo.use_decoupled_loss) or not _rl(c),
+        "the behaviour policy does not enter the loss with ppo.recompute_logprob true and ppo.use_decoupled_loss "
+        "false (the recomputed logprobs are the old policy; use_decoupled_loss: true corrects stale samples), "
+        "nor in a supervised warm-up",
+    ),
+    Rule(
+        ("teacher.", "teacher_inf.", "ppo.distill_alone"), ("ppo.distill_coef", "experiment_type"),
+        lambda c: not c.ppo.distill_coef > 0 or not _rl(c),
+        "there is no on-policy distillation (ppo.distill_coef: 0, or experiment_type: sft)",
+    ),
+    Rule(
+        ("dynamic_sampling_max_rounds",), ("dynamic_sampling", "experiment_type"),
+        lambda c: not (c.dynamic_sampling and _rl(c)),
+        "it applies to dynamic sampling (dynamic_sampling: true, experiment_type: ppo)",
     ),
     Rule(
         ("critic.", "critic_inf.", "critic_train."), ("ppo.disable_value", "experiment_type"),

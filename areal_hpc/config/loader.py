@@ -28,6 +28,8 @@ _FALSE = {"false", "no", "off", "0"}
 NOT_TAKEN = {
     "mode": "the command decides where roles run: `areal-hpc run` (local processes) or `areal-hpc submit` (Slurm)",
     "logging.stats_jsonl": "statistics always go to logs/stats.jsonl",
+    "ppo.behav_imp_weight_cap": "replaced by ppo.behav_correction: a cap X is {level: token, action: mask, "
+    "metric: ratio, upper: X} (the default, X = 5.0); null is behav_correction.upper: null",
 }
 MANUAL_KEYS = ("device_mesh", "parallel")  # an MFC's own mesh, for allocation_mode manual
 

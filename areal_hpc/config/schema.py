@@ -2,14 +2,19 @@
 
 Names follow the original system (REFERENCE.md section 1) where users know them. Each field carries
 `help` in its metadata; `choices` and the bounds `ge`, `gt`, `le`, `lt` are checked by `config.checks`.
+The algorithm's sections (ppo, ppo.gen, ppo.behav_correction) live in config/algorithm.py and are re-exported
+here, as is `opt` (config/fields.py), so that every class imports from this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from areal_hpc.config.algorithm import BehavCorrectionConfig as BehavCorrectionConfig  # re-exported
+from areal_hpc.config.algorithm import GenerationConfig as GenerationConfig  # re-exported
+from areal_hpc.config.algorithm import PPOConfig
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS
+from areal_hpc.config.fields import opt as opt  # re-exported
 
 
 class ConfigError(ValueError):
@@ -19,16 +24,6 @@ class ConfigError(ValueError):
 class InputError(ValueError):
     """An input the config names (a dataset, a model directory) that cannot work; the message names the option
     and the file."""
-
-
-def opt(default: Any, help: str, **meta: Any) -> Any:
-    """A schema field: default value (a list or dataclass type becomes a factory), help text, checks."""
-    meta["help"] = help
-    if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata=meta)
-    if isinstance(default, type):
-        return field(default_factory=default, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -148,47 +143,6 @@ class DatasetConfig:
         "How path and valid_path are read: jsonl (the format above), or 'module:function' (or a name registered "
         "under the entry-point group areal_hpc.dataset_loaders) that takes the path and returns the records as "
         "dicts of the same fields, validated alike (docs/extending.md).",
-    )
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = opt(16384, "Longest answer generated, in tokens.", ge=1)
-    min_new_tokens: int = opt(0, "Shortest answer generated, in tokens.", ge=0)
-    temperature: float = opt(1.0, "Sampling temperature (also divides logits in training).", gt=0)
-    top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
-    top_k: int = opt(-1, "Sample among the k most likely tokens; -1: all.", ge=-1)
-    stop_token_ids: list[int] = opt([], "Token ids that end an answer besides the tokenizer's EOS tokens.")
-
-
-@dataclass
-class PPOConfig:
-    gen: GenerationConfig = opt(GenerationConfig, "Sampling of answers.")
-    ppo_n_minibatches: int = opt(
-        4, "Optimizer steps per training step (the batch is split into this many).", ge=1
-    )
-    eps_clip: float = opt(0.2, "PPO ratio clip: r is clipped to [1-eps, 1+eps].", gt=0, lt=1)
-    c_clip: float | None = opt(None, "Dual-clip bound for negative advantages (> 1); null: off.", gt=1)
-    value_eps_clip: float = opt(0.2, "Clip of the value update around the old value.", gt=0)
-    early_stop_imp_ratio: float | None = opt(
-        5.0, "Skip a minibatch update whose mean importance ratio exceeds this; null: off.", gt=1
-    )
-    kl_ctl: float = opt(
-        0.1, "Weight of the per-token KL penalty to the reference model; 0 removes ref.", ge=0
-    )
-    discount: float = opt(1.0, "GAE discount gamma.", ge=0, le=1)
-    gae_lambda: float = opt(1.0, "GAE lambda.", ge=0, le=1)
-    reward_output_scaling: float = opt(5.0, "Reward = ((success - 0.5) * 2 - bias) * scaling.")
-    reward_output_bias: float = opt(0.0, "Bias subtracted before scaling the reward.")
-    max_reward_clip: float = opt(20.0, "Sequence rewards are clipped to [-clip, clip].", gt=0)
-    adv_norm: bool = opt(True, "Normalise advantages over the valid tokens of the batch.")
-    group_adv_norm: bool = opt(False, "Normalise advantages within each prompt's group (GRPO).")
-    mask_no_eos_with_zero: bool = opt(False, "Zero the reward of answers truncated without EOS.")
-    disable_value: bool = opt(True, "No critic: values are 0 and critic calls are removed.")
-    recompute_logprob: bool = opt(True, "Recompute logprobs with the trainer before the update.")
-    use_decoupled_loss: bool = opt(True, "Decoupled PPO objective for stale samples (proximal policy).")
-    behav_imp_weight_cap: float | None = opt(
-        5.0, "Tokens whose pi_prox/pi_behav exceeds this get weight 0; null: no cap.", gt=1
     )
 
 
@@ -395,7 +349,9 @@ class ExperimentConfig:
     )
     actor_train: MFCConfig = opt(MFCConfig, "The actor's PPO update.")
     actor_inf: MFCConfig = opt(MFCConfig, "The actor's logprob recomputation.")
+    teacher: ModelConfig = opt(ModelConfig, "Teacher of on-policy distillation (ppo.distill_coef > 0).")
     ref_inf: MFCConfig = opt(MFCConfig, "The reference model's logprobs.")
+    teacher_inf: MFCConfig = opt(MFCConfig, "The teacher's logprobs (on-policy distillation).")
     critic_inf: MFCConfig = opt(MFCConfig, "The critic's values.")
     critic_train: MFCConfig = opt(MFCConfig, "The critic's update.")
     dataset: DatasetConfig = opt(DatasetConfig, "Training prompts and batch size.")
@@ -452,6 +408,17 @@ class ExperimentConfig:
     )
     n_rollout_workers: int | None = opt(
         None, "Rollout worker processes; null: the training world size.", ge=1
+    )
+    dynamic_sampling: bool = opt(
+        False,
+        "DAPO's dynamic sampling: a group whose answers all have the same reward is dropped (its prompt used, the "
+        "drop counted) and more prompts are drawn until the batch is full.",
+    )
+    dynamic_sampling_max_rounds: int = opt(
+        4,
+        "Dynamic sampling: a step draws at most this many batches of prompts (asynchronous: until the groups kept "
+        "and dropped since the last step make this many batches), then trains on the groups it kept.",
+        ge=1,
     )
     success_rate_lb: float = opt(0.0, "Drop groups whose success rate is below this.", ge=0, le=1)
     success_rate_ub: float = opt(1.0, "Drop groups whose success rate is above this.", ge=0, le=1)

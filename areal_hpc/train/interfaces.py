@@ -18,7 +18,17 @@ from functools import partial
 import numpy as np
 import torch
 
-from areal_hpc.algo import actor_loss, compute_advantages, critic_loss, response_mask
+from areal_hpc.algo import (
+    Correction,
+    Overlong,
+    Totals,
+    actor_loss,
+    compute_advantages,
+    critic_loss,
+    local_totals,
+    loglinear_proximal,
+    response_mask,
+)
 from areal_hpc.config import ExperimentConfig, MicroBatchSpec, PPOConfig, extensions
 from areal_hpc.data import CU
 from areal_hpc.train import dist
@@ -56,6 +66,13 @@ def ref_inference(
     return {"packed_ref_logprobs": engine.logprobs(batch, temperature, mb_spec).numpy()}
 
 
+def teacher_inference(
+    engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec, temperature: float
+) -> dict[str, np.ndarray]:
+    """teacher_inf: ``packed_teacher_logprobs`` of the distillation teacher (same temperature as the actor)."""
+    return {"packed_teacher_logprobs": engine.logprobs(batch, temperature, mb_spec).numpy()}
+
+
 def critic_inference(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -> dict[str, np.ndarray]:
     """critic_inf: ``values`` of the prefix ending at each token."""
     return {"values": engine.values(batch, mb_spec).numpy()}
@@ -70,6 +87,20 @@ def old_logprob_key(ppo: PPOConfig) -> str:
     return "proximal_logprobs" if ppo.recompute_logprob and not ppo.use_decoupled_loss else "packed_logprobs"
 
 
+def recomputed_proximal(ppo: PPOConfig) -> bool:
+    """The decoupled loss with the proximal logprobs of actor_inf (not approximated)."""
+    return ppo.use_decoupled_loss and ppo.prox_logp_method == "recompute"
+
+
+def correction_of(ppo: PPOConfig) -> Correction | None:
+    """The behaviour correction, where the behaviour policy enters the loss (decoupled, or old logprobs that
+    are the behaviour policy's)."""
+    if old_logprob_key(ppo) != "packed_logprobs":
+        return None
+    c = ppo.behav_correction
+    return Correction(c.level, c.action, c.metric, c.lower, c.upper)
+
+
 def _require(batch: Batch, keys: Iterable[str], what: str) -> None:
     missing = sorted(set(keys) - set(batch))
     if missing:
@@ -82,23 +113,32 @@ def _advantages(
     """``compute_advantages`` on this rank's batch; the batch-wide normalisation spans the data-parallel ranks
     (``group``; None: all ranks)."""
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
-    kl = ppo.kl_ctl != 0
+    kl = ppo.kl_ctl != 0 and ppo.kl_in == "reward"
+    grouped = (adv_norm and ppo.group_adv_norm) or ppo.group_baseline != "none"
+    buffer = round(ppo.overlong_buffer * ppo.gen.max_new_tokens) if ppo.overlong_buffer else 0
     return compute_advantages(
         scores=t["rewards"],
         prompt_mask=t["prompt_mask"],
         cu_seqlens=t[CU],
         seq_no_eos_mask=t["seq_no_eos_mask"],
-        logp_behav=t[old_logprob_key(ppo)] if kl else None,
+        logp_behav=t[old_logprob_key(ppo)] if kl or ppo.distill_coef else None,
         logp_ref=t["packed_ref_logprobs"] if kl else None,
         values=t["values"] if use_values else None,
-        kl_ctl=ppo.kl_ctl,
+        kl_ctl=ppo.kl_ctl if kl else 0.0,
+        kl_estimator=ppo.kl_estimator,
         discount=ppo.discount,
         gae_lambda=ppo.gae_lambda,
         max_reward_clip=ppo.max_reward_clip,
         mask_no_eos_with_zero=ppo.mask_no_eos_with_zero,
+        baseline=ppo.group_baseline,
         adv_norm=adv_norm,
         group_adv_norm=ppo.group_adv_norm,
-        group_ids=t["group_ids"] if adv_norm and ppo.group_adv_norm else None,
+        group_ids=t["group_ids"] if grouped else None,
+        overlong=Overlong(ppo.gen.max_new_tokens, buffer, ppo.overlong_penalty_factor) if buffer else None,
+        overlong_filter=ppo.overlong_filter,
+        logp_teacher=t["packed_teacher_logprobs"] if ppo.distill_coef else None,
+        distill_coef=ppo.distill_coef,
+        distill_alone=ppo.distill_alone,
         # Not algo's dist_sum: NCCL cannot reduce these CPU tensors; ours moves them to the GPU and back.
         reduce_fn=partial(dist.all_reduce_sum, group=group),
     )
@@ -107,6 +147,8 @@ def _advantages(
 def _rl_keys(ppo: PPOConfig, *, values: bool) -> list[str]:
     keys = ["packed_input_ids", "prompt_mask", "rewards", "seq_no_eos_mask", old_logprob_key(ppo)]
     keys += ["packed_ref_logprobs"] if ppo.kl_ctl != 0 else []
+    keys += ["packed_teacher_logprobs"] if ppo.distill_coef else []
+    keys += ["group_ids"] if ppo.group_baseline != "none" or (ppo.adv_norm and ppo.group_adv_norm) else []
     keys += ["values"] if values else []
     return keys
 
@@ -145,22 +187,28 @@ def _token_stats(tracker: StatsTracker, batch: Batch, loss_mask: np.ndarray, glo
     tracker.masked("token_offpolicyness", lag, torch.from_numpy(loss_mask))
 
 
+def _minibatch_totals(part: Batch | None, group) -> Totals:
+    """The valid tokens and the sequences with one of a minibatch, over all data-parallel ranks."""
+    local = torch.zeros(2, dtype=torch.float64)
+    if part is not None:
+        local = local_totals(torch.from_numpy(part["loss_mask"]), torch.from_numpy(part[CU]))
+    return Totals(*dist.all_reduce_sum(local, group).tolist())
+
+
 def _train_minibatches(
     engine: TrainEngine,
     batch: Batch,
     n_minibatches: int,
     mb_spec: MicroBatchSpec,
-    make_loss_fn: Callable[[float], LossFn],
+    make_loss_fn: Callable[[Totals], LossFn],
     tracker: StatsTracker,
     temperature: float = 1.0,
 ) -> None:
-    """One optimizer step per minibatch; each loss is normalised by the minibatch's valid tokens on all ranks."""
+    """One optimizer step per minibatch; each loss is normalised by the minibatch's totals on all ranks."""
     for part in minibatches(batch, n_minibatches):
-        n_valid = 0.0 if part is None else float(part["loss_mask"].sum())
-        n_valid = dist.all_reduce_sum(torch.tensor(n_valid, dtype=torch.float64), engine.dp_group)
-        normaliser = max(n_valid.item(), 1.0)
+        totals = _minibatch_totals(part, engine.dp_group)
         mbs = [] if part is None else micro_batches(part, mb_spec)
-        step = engine.train_minibatch(mbs, make_loss_fn(normaliser), temperature)
+        step = engine.train_minibatch(mbs, make_loss_fn(totals), temperature)
         tracker.mean("grad_norm", step["grad_norm"])
         tracker.mean("lr", step["lr"])
 
@@ -184,32 +232,57 @@ def actor_train_step(
     a sequence: none of them is trained on or enters the KL penalty and the per-token statistics.
     Group normalisation (``group_adv_norm``) needs each prompt's whole group on this rank.
     """
-    decoupled = ppo.use_decoupled_loss
-    keys = _rl_keys(ppo, values=not ppo.disable_value) + (["proximal_logprobs"] if decoupled else [])
-    keys += ["group_ids"] if ppo.adv_norm and ppo.group_adv_norm else []
+    recomputed, loglinear = (
+        recomputed_proximal(ppo),
+        ppo.use_decoupled_loss and ppo.prox_logp_method == "loglinear",
+    )
+    keys = _rl_keys(ppo, values=not ppo.disable_value) + (["proximal_logprobs"] if recomputed else [])
+    keys += ["version_start"] if loglinear else []
     _require(batch, keys, "actor_train")
+    if loglinear and global_step is None:
+        raise ValueError(
+            "prox_logp_method loglinear needs the train step's global_step (the proximal version)"
+        )
     adv = _advantages(
         batch, ppo, use_values=not ppo.disable_value, adv_norm=ppo.adv_norm, group=engine.dp_group
     )
     data = {**batch, "advantages": adv["advantages"].numpy(), "loss_mask": adv["loss_mask"].numpy()}
+    if (
+        loglinear and "token_versions" not in data
+    ):  # single-turn answers: each token at its answer's first version
+        starts = np.asarray(batch["version_start"], dtype=np.int64)
+        data["token_versions"] = np.repeat(starts, np.diff(np.asarray(batch[CU], dtype=np.int64)))
     old_key = old_logprob_key(ppo)
+    correction = correction_of(ppo)
+    kl_loss = ppo.kl_ctl if ppo.kl_in == "loss" else 0.0
     tracker = StatsTracker()
     _sequence_stats(tracker, batch, global_step)
     _token_stats(tracker, batch, data["loss_mask"], global_step)
 
-    def make_loss_fn(normaliser: float) -> LossFn:
+    def make_loss_fn(totals: Totals) -> LossFn:
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            proximal = mb["proximal_logprobs"] if recomputed else None
+            if loglinear:
+                proximal = loglinear_proximal(mb[old_key], out["logprobs"], mb["token_versions"], global_step)
             loss, stats = actor_loss(
                 out["logprobs"],
                 mb[old_key],
                 mb["advantages"],
                 mb["loss_mask"],
+                cu_seqlens=mb[CU],
+                policy_loss=ppo.policy_loss,
                 eps_clip=ppo.eps_clip,
+                eps_clip_higher=ppo.eps_clip_higher,
                 c_clip=ppo.c_clip,
-                proximal_logprobs=mb["proximal_logprobs"] if decoupled else None,
-                behav_imp_weight_cap=ppo.behav_imp_weight_cap if decoupled else None,
+                proximal_logprobs=proximal,
+                correction=correction,
                 early_stop_imp_ratio=ppo.early_stop_imp_ratio,
-                loss_normalizer=normaliser,
+                loss_agg_mode=ppo.loss_agg_mode,
+                totals=totals,
+                norm_len=ppo.gen.max_new_tokens,
+                ref_logprobs=mb["packed_ref_logprobs"] if kl_loss else None,
+                kl_coef=kl_loss,
+                kl_estimator=ppo.kl_estimator,
             )
             tracker.add(stats, totals=ACTOR_TOTALS)
             tracker.masked("entropy", out["entropy"].detach(), mb["loss_mask"])
@@ -234,7 +307,7 @@ def critic_train_step(
     data = {**batch, "returns": adv["returns"].numpy(), "loss_mask": adv["loss_mask"].numpy()}
     tracker = StatsTracker()
 
-    def make_loss_fn(normaliser: float) -> LossFn:
+    def make_loss_fn(totals: Totals) -> LossFn:
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
             loss, stats = critic_loss(
                 out["values"],
@@ -242,7 +315,7 @@ def critic_train_step(
                 mb["returns"],
                 mb["loss_mask"],
                 value_eps_clip=ppo.value_eps_clip,
-                loss_normalizer=normaliser,
+                loss_normalizer=max(totals.tokens, 1.0),
             )
             tracker.add(stats, totals=("n_tokens", "n_valid_tokens"))
             return loss
@@ -263,11 +336,11 @@ def sft_train_step(engine: TrainEngine, batch: Batch, mb_spec: MicroBatchSpec) -
     tracker = StatsTracker()
     tracker.total("n_tokens", mask.sum())
 
-    def make_loss_fn(normaliser: float) -> LossFn:
+    def make_loss_fn(totals: Totals) -> LossFn:
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
             nll = torch.where(mb["loss_mask"], -out["logprobs"], 0.0).sum()
             tracker.total("nll", nll)
-            return nll / normaliser
+            return nll / max(totals.tokens, 1.0)
 
         return loss_fn
 
