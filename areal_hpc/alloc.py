@@ -18,7 +18,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-MFC_NAMES = ("actor_gen", "actor_train", "actor_inf", "ref_inf", "critic_inf", "critic_train", "rew_inf")
+MFC_NAMES = (
+    "actor_gen",
+    "actor_train",
+    "actor_inf",
+    "ref_inf",
+    "teacher_inf",
+    "critic_inf",
+    "critic_train",
+    "rew_inf",
+)
 DEFAULT_KEY = "*"  # the per-MFC layout of every MFC not listed
 Kind = Literal["colocated", "decoupled", "manual"]
 KINDS = get_args(Kind)

@@ -36,6 +36,7 @@ def check_inputs(cfg: ExperimentConfig, new_run: bool = True, here: bool = False
     if not any(p.startswith("'dataset.loader'") for p in problems):  # else every dataset fails alike
         problems += [p for key, path in datasets(cfg) for p in dataset_problems(cfg, key, path, tasks)]
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
+    problems += teacher_problems(cfg)
     problems += eval_set_problems(cfg) + writer_problems(cfg) + sglang_problems(cfg)
     problems += isolation_problems(cfg, tasks) if here else []
     problems += storage_problems(cfg, here) if new_run else []  # a resubmitted run's checkpoints are there
@@ -90,10 +91,46 @@ def sglang_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def models(cfg: ExperimentConfig) -> list[tuple[str, str | None]]:
-    """The model directories the run loads: the actor (whose tokenizer every role uses), ref and critic; a
-    reference policy on the actor's weights is checked as the actor."""
+    """The model directories the run loads: the actor (whose tokenizer every role uses), ref, the teacher of
+    on-policy distillation and critic; a reference policy (a teacher) on the actor's weights is checked as the
+    actor."""
     out = [(f"{name}.path", m.path) for name, m in trainer_models(cfg).items()]
     return [(key, path) for key, path in out if key == "actor.path" or path != cfg.actor.path]
+
+
+def teacher_problems(cfg: ExperimentConfig) -> list[str]:
+    """On-policy distillation scores the actor's sampled token ids with the teacher, so the teacher must share
+    the actor's tokenizer vocabulary: each token of the actor's tokenizer has the same id in the teacher's
+    (when its directory holds one), and the teacher's vocab_size covers them all. A vocab_size padded
+    otherwise is fine (Qwen2.5-7B's 152064 rows against 1.5B's 151936, one tokenizer). A directory that does
+    not load: the model checks say why."""
+    teacher = trainer_models(cfg).get("teacher")
+    if teacher is None or not teacher.path or teacher.path == cfg.actor.path:
+        return []
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        actor = AutoTokenizer.from_pretrained(cfg.actor.path, local_files_only=True)
+        hf = AutoConfig.from_pretrained(teacher.path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    where = f"'teacher.path': {teacher.path}"
+    share = f"the teacher must share the actor's tokenizer vocabulary (actor.path {cfg.actor.path})"
+    vocab_size = getattr(hf.get_text_config(), "vocab_size", None)
+    if isinstance(vocab_size, int) and vocab_size < len(actor):
+        tokens = f"the {len(actor)} tokens of the actor's tokenizer"
+        return [f"{where} has vocab_size {vocab_size}, fewer than {tokens}: {share}"]
+    try:
+        theirs = AutoTokenizer.from_pretrained(teacher.path, local_files_only=True).get_vocab()
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # no tokenizer of its own: its vocab_size covers the actor's token ids
+    differ = sorted((i, token) for token, i in actor.get_vocab().items() if theirs.get(token) != i)
+    if not differ:
+        return []
+    i, token = differ[0]
+    first = f"the first: {token!r}, id {i} for the actor, {theirs.get(token)} for the teacher"
+    differ_text = f"a tokenizer whose ids differ from the actor's for {len(differ)} tokens ({first})"
+    return [f"{where} has {differ_text}: {share}"]
 
 
 def isolation_problems(cfg: ExperimentConfig, tasks: set[str]) -> list[str]:

@@ -1,8 +1,10 @@
 """The dataflow graph of model function calls (MFCs), derived from the keys each call reads and writes.
 
 The table is REFERENCE.md section 3; edges are derived (a call depends on the producer of each key it
-reads) and the config prunes calls: disable_value removes the critic, kl_ctl == 0 removes ref_inf, and
-actor_inf exists only with recompute_logprob or use_decoupled_loss.
+reads) and the config prunes calls: disable_value removes the critic, kl_ctl == 0 removes ref_inf,
+teacher_inf (the teacher's logprobs of on-policy distillation) exists only with distill_coef > 0, and
+actor_inf exists only with recompute_logprob or use_decoupled_loss, and not when prox_logp_method loglinear
+approximates its proximal logprobs.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ ALL_MFCS = (
         ("rewards", "success"),
     ),
     MFC("ref_inf", "ref", "inference", ("packed_input_ids",), ("packed_ref_logprobs",)),
+    MFC("teacher_inf", "teacher", "inference", ("packed_input_ids",), ("packed_teacher_logprobs",)),
     MFC("actor_inf", "actor", "inference", ("packed_input_ids",), ("proximal_logprobs",)),
     MFC("critic_inf", "critic", "inference", ("packed_input_ids", "seq_no_eos_mask"), ("values",)),
-    MFC("actor_train", "actor", "train_step", ("task_ids", *_TRAIN_INPUTS), ()),
+    MFC("actor_train", "actor", "train_step", ("task_ids", "packed_teacher_logprobs", *_TRAIN_INPUTS), ()),
     MFC("critic_train", "critic", "train_step", _TRAIN_INPUTS, ()),
 )
 ROLLOUT_MFCS = ("actor_gen", "rew_inf")  # run by the rollout side, not by trainer ranks
@@ -93,7 +96,9 @@ def kept_mfcs(cfg: ExperimentConfig) -> list[str]:
         dropped |= {"critic_inf", "critic_train"}
     if ppo.kl_ctl == 0:
         dropped.add("ref_inf")
-    if not (ppo.recompute_logprob or ppo.use_decoupled_loss):
+    if not ppo.distill_coef > 0:
+        dropped.add("teacher_inf")
+    if not (ppo.recompute_logprob or ppo.use_decoupled_loss) or ppo.prox_logp_method == "loglinear":
         dropped.add("actor_inf")
     return [m.name for m in ALL_MFCS if m.name not in dropped]
 

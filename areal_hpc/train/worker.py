@@ -35,6 +35,8 @@ from areal_hpc.weights import WeightSender, plan_payload
 logger = logging.getLogger("trainer")
 # A recover checkpoint's trainer part: every rank's shards, the LR schedules, each rank's generators.
 SHARDS, TRAINERS, RNG = "shards", "trainers.json", "rng"
+# The models that only answer inference calls: the reference policy (KL penalty), the teacher (distillation).
+INFERENCE_ONLY = ("ref", "teacher")
 
 
 class TrainerHandlers:
@@ -64,8 +66,8 @@ class TrainerHandlers:
         n_minibatches = 1 if cfg.experiment_type == "sft" else cfg.ppo.ppo_n_minibatches
         total = payload["total_train_steps"] * n_minibatches
         models = trainer_models(cfg)
-        for name, model_cfg in models.items():  # the reference policy does not train
-            steps = None if name == "ref" else total
+        for name, model_cfg in models.items():  # the reference policy and the teacher do not train
+            steps = None if name in INFERENCE_ONLY else total
             spec = mfc_spec(cfg, MFCS_OF[name][0])
             self.engines[name] = make_engine(model_cfg, steps, cfg.seed, critic=name == "critic", spec=spec)
         for mfc, name in payload.get("mfcs", {}).items():
@@ -103,7 +105,7 @@ class TrainerHandlers:
     def inference(self, payload: dict) -> dict:
         mfc, batch = payload["mfc"], gather(payload["refs"])
         ppo, temperature = self.cfg.ppo, self.cfg.ppo.gen.temperature
-        if mfc not in ("actor_inf", "ref_inf", "critic_inf"):
+        if mfc not in ("actor_inf", "ref_inf", "teacher_inf", "critic_inf"):
             raise ValueError(f"trainer cannot run inference call {mfc!r} (ppo options {ppo.disable_value=})")
         engine, stats = self._engine(mfc, mfc.removesuffix("_inf"))
         mb_spec = getattr(self.cfg, mfc).mb_spec
@@ -114,6 +116,8 @@ class TrainerHandlers:
                                  "actor_inf needs a dict with proximal_logprobs")  # fmt: skip
         elif mfc == "ref_inf":
             out = interfaces.ref_inference(engine, batch, mb_spec, temperature)
+        elif mfc == "teacher_inf":
+            out = interfaces.teacher_inference(engine, batch, mb_spec, temperature)
         else:
             out = interfaces.critic_inference(engine, batch, mb_spec)
         if payload["out"]:  # one rank of each data-parallel replica writes its outputs
