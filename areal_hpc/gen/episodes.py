@@ -9,6 +9,7 @@ records its prompt as used, and no wait of the run hangs on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -26,7 +27,15 @@ from areal_hpc.data import write_batch
 from areal_hpc.gen.agents import AgentError, command_agent, function_agent
 from areal_hpc.gen.endpoint import Endpoint
 from areal_hpc.gen.episode import EpisodeContext, Services
-from areal_hpc.gen.rollout import group_params, pack_episodes
+from areal_hpc.gen.rollout import (
+    Group,
+    StepRollout,
+    draw_groups,
+    dynamic_stats,
+    group_params,
+    pack_episodes,
+    step_rollout,
+)
 
 logger = logging.getLogger("rollout")
 PER_EPISODE = (
@@ -208,39 +217,56 @@ def episode_stats(counts: Counter, episodes: int, n_dropped: int = 0) -> dict[st
     return stats
 
 
-def episodes_step(
-    clients: Sequence, episodes: Episodes, prompts: Sequence, cfg: ExperimentConfig, path: Path, epoch: int
-) -> tuple[Path | None, dict, list[str], list[str]]:
-    """Synchronous RL with a multi-turn workflow: every prompt's group at once (prompt i on server i % n), the
-    kept groups written to one batch file. Returns its path (None when every group was dropped), the rollout
-    statistics, and the query ids of the kept and of the dropped groups."""
+def episode_groups(
+    clients: Sequence, episodes: Episodes, prompts: Sequence, epoch: int
+) -> tuple[list[Group], float]:
+    """Every prompt's group at once (prompt i on server i % n): the groups (a group given up says why) and the
+    seconds they took."""
 
-    def one(i: int) -> GroupResult | None:
+    def one(i: int) -> Group:
         try:
-            return episodes.group(clients[i % len(clients)], prompts[i], epoch)
+            result = episodes.group(clients[i % len(clients)], prompts[i], epoch)
         except GroupDropped as exc:
             logger.warning("group of prompt %s dropped (%s): %s", prompts[i].query_id, exc.reason, exc)
-            return None
+            return Group(prompts[i], epoch, [], dropped=exc.reason)
+        return Group(prompts[i], epoch, result.rewards, result)
 
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
-        results = list(pool.map(one, range(len(prompts))))
-    secs = time.monotonic() - start
-    kept = [(p, r) for p, r in zip(prompts, results, strict=True) if r is not None]
-    dropped = [p.query_id for p, r in zip(prompts, results, strict=True) if r is None]
+        groups = list(pool.map(one, range(len(prompts))))
+    return groups, time.monotonic() - start
+
+
+def episodes_step(
+    clients: Sequence,
+    episodes: Episodes,
+    prompts: Sequence,
+    cfg: ExperimentConfig,
+    path: Path,
+    epoch: int,
+    more: Callable[[], tuple[Sequence, int]] | None = None,
+) -> StepRollout:
+    """Synchronous RL with a multi-turn workflow: the groups of the step's batch ``prompts`` of ``epoch`` (under
+    dynamic sampling, of more batches from ``more()`` while groups with equal rewards leave it short), the kept
+    ones written to one batch file; its path is None when every group was dropped."""
+    run_round = functools.partial(episode_groups, clients, episodes)
+    filled, secs = draw_groups(run_round, prompts, epoch, more, cfg)
     counts: Counter = Counter()
-    for _, r in kept:
-        counts.update(r.counts)
-    stats = episode_stats(counts, sum(len(r.rewards) for _, r in kept), len(dropped))
-    if not kept:
-        return None, stats, [], dropped
-    arrays = pack_episodes([[s for samples in r.samples for s in samples] for _, r in kept], cfg)
-    write_batch(path, arrays, {"n_prompts": len(kept), "group_size": cfg.group_size})
+    for g in filled.kept:
+        counts.update(g.result.counts)
+    given_up = sum(g.result is None for g in filled.dropped)  # timeouts, agents' errors
+    stats = episode_stats(counts, sum(len(g.rewards) for g in filled.kept), given_up)
+    stats |= dynamic_stats(filled, len(prompts), cfg)
+    if not filled.kept:
+        return step_rollout(None, stats, filled)
+    arrays = pack_episodes([[s for samples in g.result.samples for s in samples] for g in filled.kept], cfg)
+    write_batch(path, arrays, {"n_prompts": len(filled.kept), "group_size": cfg.group_size})
     trained = ~arrays["prompt_mask"]
+    sampled = sum(g.result.counts["sampled_tokens"] for g in filled.kept + filled.dropped if g.result)
     stats |= {
         "rollout/answer_len/avg": float(trained.sum() / len(arrays["rewards"])),
         "rollout/no_eos_ratio": float(arrays["seq_no_eos_mask"].mean()),
-        "rollout/gen_tokens_per_s": counts["sampled_tokens"] / max(secs, 1e-9),
+        "rollout/gen_tokens_per_s": sampled / max(secs, 1e-9),
         "timeperf/actor_gen": secs,
     }
-    return path, stats, [p.query_id for p, _ in kept], dropped
+    return step_rollout(path, stats, filled)

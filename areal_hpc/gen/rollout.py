@@ -4,15 +4,25 @@ Each prompt's group_size answers go to one server (prefix-cache reuse, as the or
 prompts are spread round-robin over the servers, and all requests of a step are submitted at once: each
 server's client sends it at most its capacity (max_running_requests) and holds the rest back
 (`gen.client.Admission`), so a request's timeout does not run while it queues behind the others.
+
+Under dynamic_sampling (DAPO), a group whose answers all have the same reward is dropped and the step draws
+more batches of prompts, dynamic_sampling_max_rounds in all, until its batch is full (`fill_batch`); kept groups
+past it are dropped as surplus, so that every prompt drawn is used once, trained on or dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +30,9 @@ from areal_hpc.agent import Sample
 from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, gen_backend
 from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.partial import PartialAnswer, from_response
+
+logger = logging.getLogger("rollout")
+EQUAL_REWARDS_TOL = 1e-9
 
 
 def sampling_params(cfg: ExperimentConfig) -> dict:
@@ -130,15 +143,115 @@ def pack_episodes(groups: Sequence[Sequence[Sample]], cfg: ExperimentConfig) -> 
     }
 
 
-def rollout_step(
-    clients: Sequence,
-    rewards,
+# --- a synchronous step: rounds of groups, dynamic sampling, one batch file -----------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """A prompt's group, generated and scored: what a synchronous step keeps or drops."""
+
+    prompt: PromptSample
+    epoch: int  # the prompt's epoch: a step's later rounds may draw from the next one
+    rewards: Sequence[float]  # the task reward (success) of each answer or episode
+    result: object = None  # what packs it: its answers (single-turn), its GroupResult (multi-turn)
+    dropped: str | None = None  # why it is not trained on (timeout, agent_error, equal_rewards, surplus)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A step's groups: those it trains on (at most its batch), those it dropped, and the rounds drawn."""
+
+    kept: list[Group]
+    dropped: list[Group]
+    rounds: int
+
+
+class StepRollout(NamedTuple):
+    """What a synchronous step rolled out: its batch file (None when no group was kept), its statistics, and
+    (query id, epoch) of the groups in the file, in file order, and of those dropped."""
+
+    path: Path | None
+    stats: dict[str, float]
+    kept: list[tuple[str, int]]
+    dropped: list[tuple[str, int]]
+
+
+def equal_rewards(rewards: Sequence[float]) -> bool:
+    """True when every answer (episode) of a group has the same task reward: its advantages are all zero, so
+    DAPO's dynamic sampling drops it."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return r.size > 0 and float(r.max() - r.min()) <= EQUAL_REWARDS_TOL
+
+
+def fill_batch(draw: Callable[[], list[Group]], n: int, dynamic: bool = False, max_rounds: int = 1) -> Filled:
+    """The groups of a step of ``n``: a round of groups from ``draw()``; with dynamic sampling, the groups whose
+    rewards are all equal are dropped and more rounds drawn while fewer than ``n`` are kept, ``max_rounds`` in
+    all. Kept groups past the first ``n`` are surplus: dropped, so that every drawn prompt is used once."""
+    kept, dropped, rounds = [], [], 0
+    while True:
+        rounds += 1
+        for group in draw():
+            if group.dropped is None and dynamic and equal_rewards(group.rewards):
+                group = dataclasses.replace(group, dropped="equal_rewards")
+            (dropped if group.dropped else kept).append(group)
+        if not dynamic or len(kept) >= n or rounds >= max_rounds:
+            break
+    surplus = [dataclasses.replace(g, dropped="surplus") for g in kept[n:]]
+    return Filled(kept[:n], dropped + surplus, rounds)
+
+
+def draw_groups(
+    run_round: Callable[[Sequence[PromptSample], int], tuple[list[Group], float]],
     prompts: Sequence[PromptSample],
-    cfg: ExperimentConfig,
-    path: Path,
     epoch: int,
-) -> tuple[Path, dict]:
-    """Generate, score and write the step's batch file; returns its path and rollout statistics."""
+    more: Callable[[], tuple[Sequence[PromptSample], int]] | None,
+    cfg: ExperimentConfig,
+) -> tuple[Filled, float]:
+    """`fill_batch` over the step's batch ``prompts`` of ``epoch`` and, under dynamic sampling, the batches
+    ``more()`` draws (their own epochs), each rolled out by ``run_round(prompts, epoch) -> (groups, generation
+    seconds)``; the step's groups and their generation seconds."""
+    batches, secs = [(prompts, epoch)], []
+
+    def draw() -> list[Group]:
+        groups, s = run_round(*(batches.pop() if batches else more()))
+        secs.append(s)
+        return groups
+
+    dynamic = cfg.dynamic_sampling
+    filled = fill_batch(
+        draw, len(prompts), dynamic, cfg.dynamic_sampling_max_rounds if dynamic and more else 1
+    )
+    if dynamic and 0 < len(filled.kept) < len(prompts):
+        logger.warning(
+            "dynamic sampling kept %d of %d groups in %d rounds (dynamic_sampling_max_rounds): the step trains "
+            "on a short batch", len(filled.kept), len(prompts), filled.rounds,
+        )  # fmt: skip
+    return filled, sum(secs)
+
+
+def dynamic_stats(filled: Filled, n: int, cfg: ExperimentConfig) -> dict[str, float]:
+    """The statistics of dynamic sampling (none without it, so that such runs keep their statistics)."""
+    if not cfg.dynamic_sampling:
+        return {}
+    reasons = Counter(g.dropped for g in filled.dropped)
+    return {
+        "rollout/dynamic_sampling_dropped": float(reasons["equal_rewards"]),
+        "rollout/dynamic_sampling_rounds": float(filled.rounds),
+        "rollout/surplus_groups": float(reasons["surplus"]),
+        "rollout/short_batch": float(len(filled.kept) < n),
+    }
+
+
+def step_rollout(path: Path | None, stats: dict[str, float], filled: Filled) -> StepRollout:
+    """The StepRollout of a step's groups."""
+    used = [(g.prompt.query_id, g.epoch) for g in filled.kept]
+    return StepRollout(path, stats, used, [(g.prompt.query_id, g.epoch) for g in filled.dropped])
+
+
+def answer_groups(
+    clients: Sequence, rewards, cfg: ExperimentConfig, prompts: Sequence[PromptSample], epoch: int
+) -> tuple[list[Group], float]:
+    """Each prompt's group_size answers, generated and scored; the groups and the generation seconds."""
     start = time.monotonic()
     params = [group_params(cfg, p.query_id, epoch) for p in prompts]
     generated = generate_groups(clients, prompts, params)
@@ -147,16 +260,44 @@ def rollout_step(
         (text, p, a.output_ids) for p, group in zip(prompts, generated, strict=True) for a, text in group
     ]
     success = np.asarray(rewards.score_batch(items), dtype=np.float32)
-    groups = [[answer for answer, _ in group] for group in generated]
-    arrays = pack_groups(prompts, groups, success)
+    cuts = np.cumsum([len(group) for group in generated])[:-1]
+    groups = [
+        Group(p, epoch, s, [answer for answer, _ in group])
+        for p, group, s in zip(prompts, generated, np.split(success, cuts), strict=True)
+    ]
+    return groups, gen_secs
+
+
+def rollout_step(
+    clients: Sequence,
+    rewards,
+    prompts: Sequence[PromptSample],
+    cfg: ExperimentConfig,
+    path: Path,
+    epoch: int,
+    more: Callable[[], tuple[Sequence[PromptSample], int]] | None = None,
+) -> StepRollout:
+    """Generate and score the step's groups (the batch ``prompts`` of ``epoch``; under dynamic sampling, more
+    batches from ``more()`` while groups with equal rewards leave it short) and write the kept ones to the batch
+    file ``path``."""
+    start = time.monotonic()
+    run_round = functools.partial(answer_groups, clients, rewards, cfg)
+    filled, gen_secs = draw_groups(run_round, prompts, epoch, more, cfg)
+    stats = dynamic_stats(filled, len(prompts), cfg)
+    if not filled.kept:
+        return step_rollout(None, stats, filled)
+    success = np.concatenate([g.rewards for g in filled.kept])
+    groups = [g.result for g in filled.kept]
+    arrays = pack_groups([g.prompt for g in filled.kept], groups, success)
     arrays["rewards"] = scores(success, cfg)
-    write_batch(path, arrays, {"n_prompts": len(prompts), "group_size": cfg.group_size})
+    write_batch(path, arrays, {"n_prompts": len(groups), "group_size": cfg.group_size})
     answer_lens = [len(a.output_ids) for answers in groups for a in answers]
+    generated = [len(a.output_ids) for g in filled.kept + filled.dropped for a in g.result or ()]
     stats = {
         "rollout/answer_len/avg": float(np.mean(answer_lens)),
         "rollout/no_eos_ratio": float(arrays["seq_no_eos_mask"].mean()),
-        "rollout/gen_tokens_per_s": sum(answer_lens) / max(gen_secs, 1e-9),
+        "rollout/gen_tokens_per_s": sum(generated) / max(gen_secs, 1e-9),
         "timeperf/actor_gen": gen_secs,
         "timeperf/rew_inf": time.monotonic() - start - gen_secs,
-    }
-    return path, stats
+    } | stats
+    return step_rollout(path, stats, filled)

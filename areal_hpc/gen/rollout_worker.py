@@ -4,10 +4,11 @@ Rollout workers each own a shard of the prompts (`ShardedSampler` rank i of n_ro
 several rollouts at once on threads. Before starting a group, a thread asks the `GenerationManager` for a
 rollout (the staleness bound); the group's group_size answers go to one server as one request and are
 continued after interruptions (`partial.generate_group`), or, with a multi-turn workflow, its group_size
-episodes run there side by side (`gen.episodes`); their task's reward scores them; a group whose success
-rate is outside [success_rate_lb, success_rate_ub] is dropped (a marker in the store says so), any other is
-written to the store. A resumed run skips the prompts that are already used in their epoch (`done`: trained
-on or dropped, from the ledger, or waiting in the store).
+episodes run there side by side (`gen.episodes`); their task's reward scores them; a group whose answers all
+have the same reward (dynamic_sampling) or whose success rate is outside [success_rate_lb, success_rate_ub]
+is dropped (a marker in the store says so, with its reason), any other is written to the store. A resumed
+run skips the prompts that are already used in their epoch (`done`: trained on or dropped, from the ledger,
+or waiting in the store).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from areal_hpc.gen.client import GenerationStopped
 from areal_hpc.gen.episodes import EPISODE_COUNTS, Episodes, GroupDropped
 from areal_hpc.gen.manager import GenerationManager
 from areal_hpc.gen.partial import generate_group
-from areal_hpc.gen.rollout import group_params, pack_episodes, pack_groups, scores
+from areal_hpc.gen.rollout import equal_rewards, group_params, pack_episodes, pack_groups, scores
 
 logger = logging.getLogger("rollout")
 ALLOCATE_POLL_SECS = 0.01
@@ -98,7 +99,7 @@ class RolloutWorker:
             ctx.stop.set()
 
     def rollout(self, prompt: PromptSample, sequence: int, epoch: int) -> bool:
-        """Generate, score and store one group; False when the success-rate filter dropped it."""
+        """Generate, score and store one group; False when it was dropped (equal rewards, success rate)."""
         ctx, cfg = self.ctx, self.ctx.cfg
         birth = time.time()
         params = group_params(cfg, prompt.query_id, epoch)
@@ -124,6 +125,9 @@ class RolloutWorker:
         texts = [ctx.tokenizer.decode(list(a.output_ids), skip_special_tokens=True) for a in answers]
         items = [(text, prompt, a.output_ids) for text, a in zip(texts, answers, strict=True)]
         success = np.asarray(ctx.rewards.score_batch(items), np.float32)
+        if cfg.dynamic_sampling and equal_rewards(success):
+            ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason="equal_rewards")
+            return False
         if not cfg.success_rate_lb <= float(success.mean()) <= cfg.success_rate_ub:
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch)
             return False
@@ -153,6 +157,9 @@ class RolloutWorker:
         except GroupDropped as exc:
             logger.warning("group of prompt %s dropped (%s): %s", prompt.query_id, exc.reason, exc)
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason=exc.reason)
+            return False
+        if cfg.dynamic_sampling and equal_rewards(result.rewards):
+            ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason="equal_rewards")
             return False
         if not cfg.success_rate_lb <= float(np.mean(result.rewards)) <= cfg.success_rate_ub:
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch)

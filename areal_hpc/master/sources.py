@@ -11,6 +11,7 @@ the last finished step left it.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections import Counter
@@ -34,8 +35,13 @@ from areal_hpc.data import (
 from areal_hpc.gen import EPISODE_COUNTS, episode_stats, episodes_step, rollout_step
 from areal_hpc.master.guard import StepGuard
 
+logger = logging.getLogger("master")
 STORE_POLL_SECS = 0.05
 ROLLOUT_DEAD_SECS = 60.0
+EQUAL_REWARDS = (
+    "every group's rewards were equal in dynamic_sampling_max_rounds={rounds} batches of prompts (the prompts "
+    "are all too easy or too hard for the model), and dynamic sampling trains on no such group"
+)
 
 
 @dataclass
@@ -47,9 +53,8 @@ class StepBatch:
     files: list[tuple[str, list[str]]]  # (path, groups)
     used: list[tuple[str, int]]  # (query id, the prompt's epoch) of every group
     stats: dict[str, float] = field(default_factory=dict)
-    dropped: list[tuple[str, int]] = field(
-        default_factory=list
-    )  # groups given up (their episodes' time ran out)
+    # groups not trained on: given up (episodes' time, agents' errors), or dropped by dynamic sampling
+    dropped: list[tuple[str, int]] = field(default_factory=list)
 
 
 def record_used(ledger: Ledger, step: int, used: list[tuple[str, int]], dropped: bool = False) -> None:
@@ -99,22 +104,49 @@ class SyncRollouts(PromptSteps):
         )  # episodes: a multi-turn workflow's
 
     def next(self, step: int) -> StepBatch:
-        """Generate and score the step's groups."""
-        prompts, epoch = self.prompts()
+        """Generate and score the step's groups: its batch of prompts and, under dynamic sampling, more batches
+        while groups with equal rewards leave it short."""
+        drawn: list[tuple[list, int]] = []
+
+        def draw() -> tuple[list, int]:
+            drawn.append(self.prompts())
+            return drawn[-1]
+
         path = self.run.step_data(step) / "rollout.h5"
+        prompts, epoch = draw()
         if self.episodes is None:
-            path, stats = rollout_step(self.clients, self.rewards, prompts, self.cfg, path, epoch)
-            ids = [p.query_id for p in prompts]
-            return StepBatch([(str(path), ids)], [(i, epoch) for i in ids], stats)
-        path, stats, ids, dropped = episodes_step(self.clients, self.episodes, prompts, self.cfg, path, epoch)
-        for prompt in prompts:
-            self.episodes.finished(prompt, epoch)
-        if path is None:
+            rolled = rollout_step(self.clients, self.rewards, prompts, self.cfg, path, epoch, draw)
+        else:
+            rolled = episodes_step(self.clients, self.episodes, prompts, self.cfg, path, epoch, draw)
+            for batch, batch_epoch in drawn:
+                for prompt in batch:
+                    self.episodes.finished(prompt, batch_epoch)
+        if rolled.path is None:
             raise RuntimeError(
-                f"step {step + 1}: every group was dropped (the log says why: episodes past "
-                f"rollout.episode_timeout_secs={self.cfg.rollout.episode_timeout_secs:g}, or an agent's errors)"
+                f"step {step + 1} has no group to train on: {why_none_kept(self.cfg, rolled.stats)}"
             )
-        return StepBatch([(str(path), ids)], [(i, epoch) for i in ids], stats, [(i, epoch) for i in dropped])
+        files = [(str(rolled.path), group_names(rolled.kept))]
+        return StepBatch(files, rolled.kept, rolled.stats, rolled.dropped)
+
+
+def group_names(groups: list[tuple[str, int]]) -> list[str]:
+    """The names of a step's groups (query id, epoch) in the master's buffer: the query id, with the epoch when
+    the step took the prompt in two epochs (dynamic sampling's later rounds may cross into the next one)."""
+    twice = {i for i, n in Counter(i for i, _ in groups).items() if n > 1}
+    return [f"{i}@epoch{e}" if i in twice else i for i, e in groups]
+
+
+def why_none_kept(cfg: ExperimentConfig, stats: dict[str, float]) -> str:
+    """Why a step kept no group, from its statistics."""
+    reasons = []
+    if stats.get("rollout/dynamic_sampling_dropped"):
+        reasons.append(EQUAL_REWARDS.format(rounds=cfg.dynamic_sampling_max_rounds))
+    if stats.get("rollout/dropped_groups"):
+        reasons.append(
+            f"the log says why: episodes past rollout.episode_timeout_secs={cfg.rollout.episode_timeout_secs:g}, "
+            "or an agent's errors"
+        )
+    return "; ".join(reasons) or "no group was generated"
 
 
 class SftBatches(PromptSteps):
@@ -144,28 +176,55 @@ class StoreRollouts:
         self.dropped: list[tuple[Path, dict]] = []  # the drop markers the current step records
 
     def next(self, step: int) -> StepBatch:
-        start = time.monotonic()
-        paths = self.wait(self.cfg.dataset.train_bs_n_seqs)
+        start, n = time.monotonic(), self.cfg.dataset.train_bs_n_seqs
+        paths = self.wait(n)
         waited = time.monotonic() - start
         attrs = [read_attrs(path) for path in paths]
         self.dropped = self.store.dropped()  # recorded with this step: those dropped meanwhile
         stats = rollout_stats(paths, attrs, [d for _, d in self.dropped]) | {"timeperf/wait_rollouts": waited}
+        if self.cfg.dynamic_sampling:
+            equal = sum(d.get("reason") == "equal_rewards" for _, d in self.dropped)
+            stats |= {
+                "rollout/dynamic_sampling_dropped": float(equal),
+                "rollout/short_batch": float(len(paths) < n),
+            }
         # A prompt may come back in a later epoch: the file's name names the group.
         files = [(str(path), [path.stem]) for path in paths]
         dropped = [(d["query_id"], d["epoch"]) for _, d in self.dropped]
         return StepBatch(files, [(a["query_id"], a["epoch"]) for a in attrs], stats, dropped)
 
     def wait(self, n: int) -> list[Path]:
-        """The n oldest groups of the store, once there; fails when the rollout role stopped beating."""
-        while (paths := self.store.oldest(n)) is None:
+        """The n oldest groups of the store, once there; under dynamic sampling, those there once they and the
+        groups it dropped since the last step make dynamic_sampling_max_rounds batches (a short batch). Fails
+        when the rollout role stopped beating, or when dynamic sampling dropped that many and kept none."""
+        bound = self.cfg.dynamic_sampling_max_rounds * n if self.cfg.dynamic_sampling else None
+        while len(paths := self.store.ready()) < n:
+            if bound and len(paths) + self.store.n_dropped() >= bound:  # counted cheaply first
+                equal = sum(d.get("reason") == "equal_rewards" for _, d in self.store.dropped())
+                if len(paths) + equal >= bound:
+                    return self.short_batch(paths, n, equal)
             self.guard.waiting("waiting for rollouts")
             if dead_workers(self.run.heartbeats, ["rollout"], ROLLOUT_DEAD_SECS):
                 raise RuntimeError(f"the rollout role stopped (no heartbeat for {ROLLOUT_DEAD_SECS:.0f} s)")
             time.sleep(STORE_POLL_SECS)
+        return paths[:n]
+
+    def short_batch(self, paths: list[Path], n: int, equal: int) -> list[Path]:
+        rounds = self.cfg.dynamic_sampling_max_rounds
+        if not paths:
+            raise RuntimeError(
+                f"dynamic sampling dropped {equal} groups and kept none: "
+                + EQUAL_REWARDS.format(rounds=rounds)
+            )
+        logger.warning(
+            "dynamic sampling dropped %d groups for equal rewards, %d of %d are ready "
+            "(dynamic_sampling_max_rounds=%d): the step trains on a short batch", equal, len(paths), n, rounds,
+        )  # fmt: skip
         return paths
 
     def consumed(self, step: int, batch: StepBatch) -> None:
-        """Record the groups trained on and those dropped meanwhile (success-rate filter, time); remove them."""
+        """Record the groups trained on and those dropped meanwhile (equal rewards, success rate, time); remove
+        them."""
         record_used(self.ledger, step + 1, batch.used)
         record_used(self.ledger, step + 1, batch.dropped, dropped=True)
         self.store.remove([path for path, _ in self.dropped])
