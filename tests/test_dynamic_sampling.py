@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from areal_hpc.config import load_config
+from areal_hpc.config import InputError, load_config
 from areal_hpc.control import Ledger, RunDir
 from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.data import PromptSample, RolloutStore, ShardedSampler, read_batch, training_prompts
@@ -162,7 +162,7 @@ def test_the_asynchronous_step_takes_a_short_batch_once_the_drops_make_max_round
         source.wait(4)  # 7 dropped, none ready: short of the bound
     store.put_dropped(0, 9, time.time(), "q9", 0, reason="equal_rewards")
     none_kept = r"kept none: .*dynamic_sampling_max_rounds=2 .*too easy or too hard"
-    with pytest.raises(RuntimeError, match=none_kept):
+    with pytest.raises(InputError, match=none_kept):
         source.wait(4)  # 8 dropped, none ready: the step fails
 
 
@@ -220,12 +220,14 @@ def test_an_asynchronous_run_drops_groups_whose_rewards_are_equal(toy, repo_impo
 
 
 def test_a_run_whose_groups_all_have_equal_rewards_fails_naming_max_rounds(toy, capsys):
-    # The tiny model answers no toy question right: every group's rewards are 0.
+    # The tiny model answers no toy question right: every group's rewards are 0. A new attempt would draw the
+    # same prompts and sample the same answers: the run is not restarted.
     cfg = toy.config(
-        "ds-equal", 2, "dynamic_sampling=true", "dynamic_sampling_max_rounds=2", "recover_mode=disabled"
-    )
+        "ds-equal", 2, "dynamic_sampling=true", "dynamic_sampling_max_rounds=2", "recover_mode=auto",
+        "recover_retries=2",
+    )  # fmt: skip
     assert run_local(cfg) == 1
     err = capsys.readouterr().err
     assert "dynamic_sampling_max_rounds=2" in err and "every group's rewards were equal" in err
-    assert "too easy or too hard" in err
+    assert "too easy or too hard" in err and "not restarted" in err
     assert not Path(run_dir_of(cfg).ledger).exists()  # nothing trained, nothing recorded

@@ -36,6 +36,12 @@ def test_pruning_rules_of_the_original():
     assert names(build_graph(cfg)) == ["actor_gen", "rew_inf", "actor_train"]
 
 
+def test_the_loglinear_proximal_policy_skips_the_recomputation():
+    cfg = load_config(overrides=["ppo.kl_ctl=0", "ppo.prox_logp_method=loglinear"])
+    assert names(build_graph(cfg)) == ["actor_gen", "rew_inf", "actor_train"]
+    assert "proximal_logprobs" not in build_graph(cfg)[-1].inputs
+
+
 def test_trainer_graph_leaves_generation_and_reward_to_the_rollout_side():
     cfg = load_config(overrides=["ppo.kl_ctl=0.1"])
     assert names(build_graph(cfg, trainer_only=True)) == ["ref_inf", "actor_inf", "actor_train"]

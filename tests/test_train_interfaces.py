@@ -12,7 +12,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from areal_hpc.config.schema import MicroBatchSpec, OptimizerConfig, PPOConfig, TrainedModelConfig
+from areal_hpc.config.schema import (
+    BehavCorrectionConfig,
+    MicroBatchSpec,
+    OptimizerConfig,
+    PPOConfig,
+    TrainedModelConfig,
+)
 from areal_hpc.data.batch import read_batch, write_batch
 from areal_hpc.train import dist
 from areal_hpc.train.backends import TrainEngine, make_engine
@@ -116,6 +122,40 @@ def test_ppo_variants_run(tiny_model_dir, batch, backend):
         actor_train_step(engine, without_groups, replace(PPO, group_adv_norm=True), MB)
 
 
+def test_the_algorithm_options_reach_the_loss(tiny_model_dir, batch):
+    """GSPO's token variant, a clamping sequence-level correction, the KL (k3) in the loss, a leave-one-out
+    baseline, the overlong penalty and filtering, distillation added to the task advantage."""
+    engine = make_engine(model_config(tiny_model_dir), total_train_steps=10)
+    ppo = replace(
+        PPO, policy_loss="gspo_token", loss_agg_mode="seq-mean-token-sum-norm", kl_ctl=0.01, kl_in="loss",
+        kl_estimator="k3", group_baseline="leave_one_out", adv_norm=False, overlong_buffer=0.5,
+        overlong_filter=True, distill_coef=0.5,
+        behav_correction=BehavCorrectionConfig(level="sequence", action="clamp", lower=0.9, upper=1.1),
+    )  # fmt: skip
+    data = {**batch, "packed_ref_logprobs": batch["proximal_logprobs"] - 0.1}
+    data["packed_teacher_logprobs"] = batch["proximal_logprobs"] + 0.2
+    stats = actor_train_step(engine, data, ppo, MB)
+    assert stats["ppo_actor/kl_loss/avg"] > 0 and "ppo_actor/behave_clamped_ratio/avg" in stats
+    assert stats["ppo_actor/teacher_kl/avg"] == pytest.approx(
+        -0.2, abs=0.05
+    )  # behaviour: proximal + N(0, 0.1)
+    # Overlong filtering: the truncated answers' tokens leave the loss.
+    truncated = np.repeat(batch["seq_no_eos_mask"], np.diff(batch["cu_seqlens"]))
+    assert truncated.any() and stats["ppo_actor/n_valid_tokens"] == (~batch["prompt_mask"] & ~truncated).sum()
+    with pytest.raises(KeyError, match="packed_teacher_logprobs"):
+        actor_train_step(engine, batch, replace(ppo, kl_ctl=0.0), MB)
+
+
+def test_the_loglinear_proximal_policy_needs_no_recomputed_logprobs(tiny_model_dir, batch):
+    engine = make_engine(model_config(tiny_model_dir), total_train_steps=10)
+    without = {k: v for k, v in batch.items() if k != "proximal_logprobs"}
+    ppo = replace(PPO, prox_logp_method="loglinear", recompute_logprob=False)
+    stats = actor_train_step(engine, without, ppo, MB, global_step=3)  # answers of version 0: stale
+    assert stats["ppo_actor/head_offpolicyness/avg"] == 3 and stats["ppo_actor/behave_imp_weight/avg"] != 1.0
+    with pytest.raises(ValueError, match="needs the train step's global_step"):
+        actor_train_step(engine, without, ppo, MB)
+
+
 def test_sft_step_lowers_the_nll(tiny_model_dir, batch, backend):
     engine = make_engine(model_config(tiny_model_dir, backend=backend), total_train_steps=10)
     sft = {k: batch[k] for k in ("cu_seqlens", "packed_input_ids", "prompt_mask")}
@@ -141,13 +181,16 @@ def test_critic_step_lowers_the_value_loss(tiny_model_dir, batch, backend):
 # --- two ranks over gloo --------------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, comm: str, backend: str, model_dir: str, batch_path: str, out_dir: str) -> None:
+def _rank_main(
+    rank: int, comm: str, backend: str, mode: str, model_dir: str, batch_path: str, out_dir: str
+) -> None:
     torch.set_num_threads(1)
     dist.init_distributed(rank, 2, Path(out_dir) / "dist_init", backend=comm, timeout_s=120)
     try:
         engine = make_engine(model_config(model_dir, backend=backend), total_train_steps=10)
         part = read_batch(batch_path, seqs=RANK_SEQS[rank])
-        stats = actor_train_step(engine, part, PPO, MicroBatchSpec(max_tokens_per_mb=12 + 10 * rank))
+        ppo = replace(PPO, loss_agg_mode=mode)
+        stats = actor_train_step(engine, part, ppo, MicroBatchSpec(max_tokens_per_mb=12 + 10 * rank))
         stats["optimizer_bytes"] = optimizer_bytes(engine)
         torch.save(weights(engine), Path(out_dir) / f"rank{rank}.pt")
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(stats))
@@ -166,16 +209,20 @@ def optimizer_bytes(engine) -> int:
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 
 
+# Each rank cuts its part into micro-batches of its own size: a loss_agg_mode's normaliser must be the
+# minibatch's, over ranks and micro-batches, for the two ranks to take the one rank's step.
 @pytest.mark.parametrize("comm", ["gloo", pytest.param("nccl", marks=TWO_GPUS)])
-@pytest.mark.parametrize("backend", ["fsdp", "torch"])
-def test_two_ranks_match_one_rank_on_the_whole_batch(tiny_model_dir, batch, tmp_path, backend, comm):
+@pytest.mark.parametrize(
+    "backend, mode", [("fsdp", "token-mean"), ("torch", "token-mean"), ("fsdp", "seq-mean-token-mean")]
+)
+def test_two_ranks_match_one_rank_on_the_whole_batch(tiny_model_dir, batch, tmp_path, backend, mode, comm):
     write_batch(tmp_path / "batch.h5", batch)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = (comm, backend, str(tiny_model_dir), str(tmp_path / "batch.h5"), str(tmp_path))
+    args = (comm, backend, mode, str(tiny_model_dir), str(tmp_path / "batch.h5"), str(tmp_path))
     mp.spawn(_rank_main, args=args, nprocs=2)
 
     single = make_engine(model_config(tiny_model_dir, backend="torch"), total_train_steps=10)
-    single_stats = actor_train_step(single, batch, PPO, MB)
+    single_stats = actor_train_step(single, batch, replace(PPO, loss_agg_mode=mode), MB)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     stats = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, tensor in weights(single).items():

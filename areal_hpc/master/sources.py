@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_hpc.agent import ChatRenderer, load_tools
-from areal_hpc.config import ExperimentConfig
+from areal_hpc.config import ExperimentConfig, InputError
 from areal_hpc.control import Ledger, RunDir, dead_workers
 from areal_hpc.data import (
     PromptDataset,
@@ -122,9 +122,9 @@ class SyncRollouts(PromptSteps):
                 for prompt in batch:
                     self.episodes.finished(prompt, batch_epoch)
         if rolled.path is None:
-            raise RuntimeError(
-                f"step {step + 1} has no group to train on: {why_none_kept(self.cfg, rolled.stats)}"
-            )
+            # Equal rewards only: a new attempt would draw the same prompts and sample the same answers.
+            error = RuntimeError if rolled.stats.get("rollout/dropped_groups") else InputError
+            raise error(f"step {step + 1} has no group to train on: {why_none_kept(self.cfg, rolled.stats)}")
         files = [(str(rolled.path), group_names(rolled.kept))]
         return StepBatch(files, rolled.kept, rolled.stats, rolled.dropped)
 
@@ -212,7 +212,7 @@ class StoreRollouts:
     def short_batch(self, paths: list[Path], n: int, equal: int) -> list[Path]:
         rounds = self.cfg.dynamic_sampling_max_rounds
         if not paths:
-            raise RuntimeError(
+            raise InputError(
                 f"dynamic sampling dropped {equal} groups and kept none: "
                 + EQUAL_REWARDS.format(rounds=rounds)
             )

@@ -258,6 +258,9 @@ def actor_train_step(
     tracker = StatsTracker()
     _sequence_stats(tracker, batch, global_step)
     _token_stats(tracker, batch, data["loss_mask"], global_step)
+    if ppo.distill_coef:  # the sampled tokens' reverse KL to the teacher (k1): what distillation lowers
+        reverse_kl = np.asarray(batch[old_key], np.float64) - np.asarray(batch["packed_teacher_logprobs"])
+        tracker.masked("teacher_kl", torch.from_numpy(reverse_kl), torch.from_numpy(data["loss_mask"]))
 
     def make_loss_fn(totals: Totals) -> LossFn:
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
