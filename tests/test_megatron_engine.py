@@ -13,14 +13,25 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from areal_hpc.algo.aggregation import Totals, aggregate
 from areal_hpc.config import allocation_of, megatron_model_problems
 from areal_hpc.config.schema import MicroBatchSpec
+from areal_hpc.data import CU
 from areal_hpc.train import TrainerHandlers, dist
 from areal_hpc.train.backends.megatron import convert
 from areal_hpc.train.microbatch import micro_batches
 from tests.test_fsdp_engine import LENGTHS, alone, model_config, nll, packed
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tensor, pipeline)
+
+
+def seq_mean_nll(out, mb):
+    """Each sequence's mean NLL, averaged over the batch's sequences (loss_agg_mode seq-mean-token-mean): the
+    micro-batches of the last pipeline stage weigh their tokens by their own sequences and the batch's totals."""
+    mask = torch.ones_like(out["logprobs"], dtype=torch.bool)
+    return aggregate(
+        -out["logprobs"], mask, mb[CU], "seq-mean-token-mean", Totals(sum(LENGTHS), len(LENGTHS))
+    )
 
 
 def hf_of(model_dir) -> dict:
@@ -76,7 +87,9 @@ def _rank_main(rank, world, tp, pp, model_dir, out):
         before = engine.logprobs(batch, 1.0, MicroBatchSpec(max_tokens_per_mb=16))
         for _ in engine.hf_weights():  # a publication before the step: the one after must see the step
             pass
-        step = engine.train_minibatch(micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20)), nll)
+        step = engine.train_minibatch(
+            micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20)), seq_mean_nll
+        )
         after = engine.logprobs(batch, 0.7, MicroBatchSpec(max_tokens_per_mb=16))
         weights = dict(engine.hf_weights())
         saved = engine.save_hf(f"{out}.saved")  # rank 0 returns the directory
