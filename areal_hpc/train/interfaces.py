@@ -144,6 +144,13 @@ def _advantages(
     )
 
 
+def answer_versions(batch: Batch) -> np.ndarray:
+    """Each token's weight version when the batch records only its answers' (single-turn): the version the
+    answer started at (an interrupted answer's later parts are newer: a lower bound)."""
+    starts = np.asarray(batch["version_start"], dtype=np.int64)
+    return np.repeat(starts, np.diff(np.asarray(batch[CU], dtype=np.int64)))
+
+
 def _rl_keys(ppo: PPOConfig, *, values: bool) -> list[str]:
     keys = ["packed_input_ids", "prompt_mask", "rewards", "seq_no_eos_mask", old_logprob_key(ppo)]
     keys += ["packed_ref_logprobs"] if ppo.kl_ctl != 0 else []
@@ -232,10 +239,8 @@ def actor_train_step(
     a sequence: none of them is trained on or enters the KL penalty and the per-token statistics.
     Group normalisation (``group_adv_norm``) needs each prompt's whole group on this rank.
     """
-    recomputed, loglinear = (
-        recomputed_proximal(ppo),
-        ppo.use_decoupled_loss and ppo.prox_logp_method == "loglinear",
-    )
+    recomputed = recomputed_proximal(ppo)
+    loglinear = ppo.use_decoupled_loss and ppo.prox_logp_method == "loglinear"
     keys = _rl_keys(ppo, values=not ppo.disable_value) + (["proximal_logprobs"] if recomputed else [])
     keys += ["version_start"] if loglinear else []
     _require(batch, keys, "actor_train")
@@ -247,11 +252,8 @@ def actor_train_step(
         batch, ppo, use_values=not ppo.disable_value, adv_norm=ppo.adv_norm, group=engine.dp_group
     )
     data = {**batch, "advantages": adv["advantages"].numpy(), "loss_mask": adv["loss_mask"].numpy()}
-    if (
-        loglinear and "token_versions" not in data
-    ):  # single-turn answers: each token at its answer's first version
-        starts = np.asarray(batch["version_start"], dtype=np.int64)
-        data["token_versions"] = np.repeat(starts, np.diff(np.asarray(batch[CU], dtype=np.int64)))
+    if loglinear and "token_versions" not in data:
+        data["token_versions"] = answer_versions(batch)
     old_key = old_logprob_key(ppo)
     correction = correction_of(ppo)
     kl_loss = ppo.kl_ctl if ppo.kl_in == "loss" else 0.0
