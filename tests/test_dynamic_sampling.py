@@ -90,6 +90,15 @@ def test_dynamic_sampling_stops_after_max_rounds_with_a_short_batch_or_none():
     assert filled.kept == [] and ids(filled.dropped) == ["a", "b"]
 
 
+def test_a_short_batch_has_a_group_for_each_data_parallel_rank():
+    # Two ranks: one group kept after max_rounds cannot be split over them, so rounds go on until two are.
+    draws = rounds(
+        [group("a", 0, 1), group("b", 1, 1)], [group("c", 0, 0)], [group("d", 0, 0)], [group("e", 1, 0)]
+    )
+    filled = fill_batch(draws, 3, dynamic=True, max_rounds=2, min_kept=2)
+    assert filled.rounds == 4 and ids(filled.kept) == ["a", "e"]
+
+
 def test_groups_given_up_are_dropped_for_their_reason_and_count_as_not_kept():
     first = [group("a", dropped="timeout"), group("b", 0, 1)]
     filled = fill_batch(rounds(first, [group("c", 1, 0), group("d", 1, 0)]), 2, dynamic=True, max_rounds=3)

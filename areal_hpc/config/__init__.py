@@ -13,7 +13,14 @@ docs      docs/config.md and `areal-hpc config options`, rendered from the schem
 
 from areal_hpc.config import extensions
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend, megatron_model_problems
-from areal_hpc.config.checks import MFCS_OF, allocation_of, gen_backend, mfc_spec, trainer_models
+from areal_hpc.config.checks import (
+    MFCS_OF,
+    allocation_of,
+    data_parallel_size,
+    gen_backend,
+    mfc_spec,
+    trainer_models,
+)
 from areal_hpc.config.docs import render_markdown, render_options
 from areal_hpc.config.extensions import ExtensionError
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
@@ -58,6 +65,7 @@ __all__ = [
     "PPOConfig",
     "TrainedModelConfig",
     "allocation_of",
+    "data_parallel_size",
     "gen_backend",
     "dump_yaml",
     "extensions",

@@ -5,6 +5,7 @@ All problems are gathered and reported together, each naming its key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -332,6 +333,15 @@ def gen_backend(cfg: ExperimentConfig) -> str:
 def allocation_of(cfg: ExperimentConfig) -> alloc.Allocation:
     """The allocation of a validated config on its cluster."""
     return alloc.resolve_allocation(cfg.allocation_mode, cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node)
+
+
+def data_parallel_size(cfg: ExperimentConfig) -> int:
+    """The most data-parallel ranks a trainer call splits a batch over: a batch needs that many groups."""
+    allocation, sizes = allocation_of(cfg), [1]
+    for mfc in (mfc for model in trainer_models(cfg) for mfc in MFCS_OF[model]):
+        with contextlib.suppress(alloc.AllocationError):  # a call the graph leaves out, without a layout
+            sizes.append(allocation.train_spec(mfc).data)
+    return max(sizes)
 
 
 def mfc_spec(cfg: ExperimentConfig, mfc: str) -> alloc.ParallelSpec:

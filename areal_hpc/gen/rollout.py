@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from areal_hpc.agent import Sample
-from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, gen_backend
+from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, data_parallel_size, gen_backend
 from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.partial import PartialAnswer, from_response
 
@@ -183,10 +183,13 @@ def equal_rewards(rewards: Sequence[float]) -> bool:
     return r.size > 0 and float(r.max() - r.min()) <= EQUAL_REWARDS_TOL
 
 
-def fill_batch(draw: Callable[[], list[Group]], n: int, dynamic: bool = False, max_rounds: int = 1) -> Filled:
+def fill_batch(
+    draw: Callable[[], list[Group]], n: int, dynamic: bool = False, max_rounds: int = 1, min_kept: int = 1
+) -> Filled:
     """The groups of a step of ``n``: a round of groups from ``draw()``; with dynamic sampling, the groups whose
     rewards are all equal are dropped and more rounds drawn while fewer than ``n`` are kept, ``max_rounds`` in
-    all. Kept groups past the first ``n`` are surplus: dropped, so that every drawn prompt is used once."""
+    all, and past them while some but fewer than ``min_kept`` (the data-parallel ranks) are kept. Kept groups
+    past the first ``n`` are surplus: dropped, so that every drawn prompt is used once."""
     kept, dropped, rounds = [], [], 0
     while True:
         rounds += 1
@@ -194,7 +197,10 @@ def fill_batch(draw: Callable[[], list[Group]], n: int, dynamic: bool = False, m
             if group.dropped is None and dynamic and equal_rewards(group.rewards):
                 group = dataclasses.replace(group, dropped="equal_rewards")
             (dropped if group.dropped else kept).append(group)
-        if not dynamic or len(kept) >= n or rounds >= max_rounds:
+        if not dynamic or len(kept) >= n:
+            break
+        # Past max_rounds a short batch is trained on, if it can be split over the data-parallel ranks.
+        if rounds >= max_rounds and (not kept or len(kept) >= min_kept):
             break
     surplus = [dataclasses.replace(g, dropped="surplus") for g in kept[n:]]
     return Filled(kept[:n], dropped + surplus, rounds)
@@ -218,9 +224,8 @@ def draw_groups(
         return groups
 
     dynamic = cfg.dynamic_sampling
-    filled = fill_batch(
-        draw, len(prompts), dynamic, cfg.dynamic_sampling_max_rounds if dynamic and more else 1
-    )
+    max_rounds = cfg.dynamic_sampling_max_rounds if dynamic and more else 1
+    filled = fill_batch(draw, len(prompts), dynamic, max_rounds, data_parallel_size(cfg) if dynamic else 1)
     if dynamic and 0 < len(filled.kept) < len(prompts):
         logger.warning(
             "dynamic sampling kept %d of %d groups in %d rounds (dynamic_sampling_max_rounds): the step trains "

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_hpc.agent import ChatRenderer, load_tools
-from areal_hpc.config import ExperimentConfig, InputError
+from areal_hpc.config import ExperimentConfig, InputError, data_parallel_size
 from areal_hpc.control import Ledger, RunDir, dead_workers
 from areal_hpc.data import (
     PromptDataset,
@@ -174,6 +174,7 @@ class StoreRollouts:
         self.cfg, self.run, self.guard = cfg, run, guard
         self.store, self.ledger = RolloutStore(run.rollouts), Ledger(run.ledger)
         self.dropped: list[tuple[Path, dict]] = []  # the drop markers the current step records
+        self.min_groups = data_parallel_size(cfg) if cfg.dynamic_sampling else 1  # of a short batch
 
     def next(self, step: int) -> StepBatch:
         start, n = time.monotonic(), self.cfg.dataset.train_bs_n_seqs
@@ -199,7 +200,9 @@ class StoreRollouts:
         when the rollout role stopped beating, or when dynamic sampling dropped that many and kept none."""
         bound = self.cfg.dynamic_sampling_max_rounds * n if self.cfg.dynamic_sampling else None
         while len(paths := self.store.ready()) < n:
-            if bound and len(paths) + self.store.n_dropped() >= bound:  # counted cheaply first
+            # Past the bound a short batch is trained on, if it can be split over the data-parallel ranks.
+            splittable = not paths or len(paths) >= self.min_groups
+            if bound and splittable and len(paths) + self.store.n_dropped() >= bound:  # counted cheaply first
                 equal = sum(d.get("reason") == "equal_rewards" for _, d in self.store.dropped())
                 if len(paths) + equal >= bound:
                     return self.short_batch(paths, n, equal)
