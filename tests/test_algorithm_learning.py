@@ -17,11 +17,14 @@ from tests.helpers import REPO_ROOT
 
 CONFIGS = [REPO_ROOT / "configs" / "toy-cpu.yaml", REPO_ROOT / "configs" / "toy-code.yaml"]
 WARM_UP = ("actor.optimizer.lr=1e-2", "exp_ctrl.total_train_epochs=6")  # as tests/test_code_learning.py
+# Mean sampled task reward of the last 3 of 10 steps minus the first 3, from one warm-up: dapo +0.344, gspo +0.406,
+# rloo +0.365 (the recipe's own GRPO: +0.31 to +0.52, tests/test_code_learning.py; not learning: ~0, +-0.08).
 MIN_REWARD_GAIN = 0.15
-# Distillation from the untrained model: at the warm-up's lr the reverse KL falls from 10.6 to 8.8 nats a token in
-# 10 steps, 7.4 in 20 (at 2e-3: 10.6 to 10.1); a student that does not learn stays at ~10.5 (+-0.2 a step).
+# Distillation from the untrained model: at the warm-up's lr the reverse KL falls by 1.4 nats a token (mean of the
+# first 3 of 12 steps against the last 3: 10.46 -> 9.07), and from 10.6 to 7.4 over 20 steps (at 2e-3: 10.6 to
+# 10.1 in 10); a student that does not learn stays at ~10.5, +-0.2 from step to step.
 OPD = ("actor.optimizer.lr=1e-2", "exp_ctrl.benchmark_steps=12")
-MIN_KL_FALL = 1.0
+MIN_KL_FALL = 0.7
 
 
 @pytest.fixture(scope="module")
