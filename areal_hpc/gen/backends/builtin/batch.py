@@ -7,6 +7,7 @@ batching); finished rows are dropped at once. Only the engine thread touches a B
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections import Counter
@@ -15,10 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areal_hpc.gen.backends.builtin import kv
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams
 from areal_hpc.gen.backends.builtin.sampling import sample_tokens
+
+# The attention kernels a GPU forward may use: not cuDNN's, which builds a plan for each new shape, and a decode
+# step's grown KV length is a new shape at every layer (1.6 ms of host time a layer on an H200). Without it, decode
+# steps of the Qwen2.5-1.5B shape are 2.3-3x faster (tools/gpu_bench_engine_sdpa.py, docs/benchmarks.md); the
+# others take the same masks. None: torch's choice.
+GPU_SDPA_BACKENDS: list[SDPBackend] | None = [
+    SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+]  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -130,10 +140,12 @@ class Batch:
     ) -> Any:
         """One forward pass extending ``cache``; at prefill only the last position's logits are computed."""
         extra = self._keep_last if prefill else {}
-        return self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **{self._cache_kwarg: cache}, **extra,
-        )  # fmt: skip
+        gpu = self.device.type == "cuda" and GPU_SDPA_BACKENDS is not None
+        with sdpa_kernel(GPU_SDPA_BACKENDS) if gpu else contextlib.nullcontext():
+            return self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self._cache_kwarg: cache}, **extra,
+            )  # fmt: skip
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and attention mask [B, L] of prompts padded on the left to the longest one."""
