@@ -57,8 +57,9 @@ class Correction:
             raise AlgoInputError(f"correction bounds: lower {self.lower} is not below upper {self.upper}")
 
 
-def _per_sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, n_seqs: int) -> torch.Tensor:
-    """Each token's sequence's mean of ``x`` over its masked tokens (0 for a sequence with none)."""
+def per_sequence_mean(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence's mean of ``x`` over its masked tokens (0 for a sequence with none); differentiable."""
+    seq, n_seqs = seq_index(cu_seqlens), len(cu_seqlens) - 1
     sums = torch.zeros(n_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq, torch.where(mask, x, 0.0))
     counts = torch.zeros(n_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq, mask.to(x.dtype))
     return (sums / counts.clamp(min=1))[seq]
@@ -86,11 +87,10 @@ def behaviour_weight(
     metric = torch.where(mask, metric.detach(), 0.0)
     raw = torch.exp(log_ratio)
     if correction.level == "sequence":
-        seq, n_seqs = seq_index(cu_seqlens), len(cu_seqlens) - 1
         if correction.metric == "ratio":  # in log space: the arithmetic mean would favour long answers
-            raw = metric = torch.exp(_per_sequence_mean(log_ratio, mask, seq, n_seqs))
+            raw = metric = torch.exp(per_sequence_mean(log_ratio, mask, cu_seqlens))
         else:
-            metric = _per_sequence_mean(metric, mask, seq, n_seqs)
+            metric = per_sequence_mean(metric, mask, cu_seqlens)
     kept = mask.clone()
     weight = raw
     if correction.action == "mask":

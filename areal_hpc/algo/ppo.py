@@ -19,8 +19,8 @@ import torch
 
 from areal_hpc.algo.advantages import Reducer
 from areal_hpc.algo.aggregation import Totals, aggregate
-from areal_hpc.algo.corrections import Correction, behaviour_weight, kl_estimate
-from areal_hpc.algo.packing import AlgoInputError, seq_index
+from areal_hpc.algo.corrections import Correction, behaviour_weight, kl_estimate, per_sequence_mean
+from areal_hpc.algo.packing import AlgoInputError
 
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
 MaskedStat = tuple[torch.Tensor, torch.Tensor]
@@ -58,14 +58,7 @@ def _surrogate(
     # Masked positions get log-ratio 0 so padding garbage cannot overflow exp().
     log_ratio = torch.where(mask, logprobs - base, 0.0)
     if kind in ("gspo", "gspo_token"):  # the answer's geometric mean ratio s, on each of its tokens
-        seq, n_seqs = seq_index(cu_seqlens), len(cu_seqlens) - 1
-        sums = torch.zeros(n_seqs, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
-            0, seq, log_ratio
-        )
-        counts = torch.zeros(n_seqs, dtype=log_ratio.dtype, device=mask.device).index_add(
-            0, seq, mask.to(log_ratio.dtype)
-        )
-        log_s = (sums / counts.clamp(min=1))[seq]
+        log_s = per_sequence_mean(log_ratio, mask, cu_seqlens)
         if kind == "gspo_token":  # s's value, each token's own gradient: sg(s) * pi / sg(pi)
             log_s = log_s.detach() + logprobs - logprobs.detach()
         log_ratio = torch.where(mask, log_s, 0.0)
