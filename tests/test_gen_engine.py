@@ -9,7 +9,7 @@ import torch
 
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
-from areal_hpc.gen.backends.builtin.sampling import filter_top_k_top_p, sample_tokens
+from areal_hpc.gen.backends.builtin.sampling import SlotSampling, filter_top_k_top_p, uniforms
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -45,29 +45,59 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert kept.tolist() == [[True, True, False, False, False], [True, True, False, False, False], [True] * 5]
 
 
-def test_sample_tokens_greedy_sampled_and_banned():
+def slot_sampling(params: list[SamplingParams], vocab: int, seeds=None, stops=None) -> SlotSampling:
+    sampling = SlotSampling(len(params), vocab, torch.device("cpu"))
+    seeds = seeds if seeds is not None else list(range(len(params)))
+    sampling.set(list(range(len(params))), params, seeds, stops or [frozenset()] * len(params))
+    return sampling
+
+
+def test_sample_greedy_sampled_and_banned_before_min_new_tokens():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    banned = torch.zeros(3, 50, dtype=torch.bool)
-    banned[2, logits[2].argmax()] = True
-    temperature = torch.tensor([0.0, 0.7, 0.0])
-    toks, lps = sample_tokens(logits, temperature, torch.ones(3), torch.tensor([50, 50, 50]), gens, banned)
-    assert toks[0] == logits[0].argmax() and toks[2] == logits[2].masked_fill(banned[2], -1e9).argmax()
+    banned = int(logits[2].argmax())
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.0, min_new_tokens=1)]  # fmt: skip
+    sampling = slot_sampling(params, 50, stops=[frozenset(), frozenset(), frozenset({banned})])
+    toks, lps = sampling.sample(logits, slice(0, 3))
+    assert (
+        toks[0] == logits[0].argmax()
+        and toks[2] == logits[2].masked_fill(torch.arange(50) == banned, -1e9).argmax()
+    )
     expected = [logits[0].log_softmax(-1)[toks[0]], (logits[1] / 0.7).log_softmax(-1)[toks[1]]]
     expected.append(logits[2].log_softmax(-1)[toks[2]])  # the ban restricts the draw, not the logprob
     assert torch.allclose(lps, torch.stack(expected))
+    assert sampling.sample(logits, slice(0, 3))[0][2] == banned  # one token made: the stop token is allowed
 
 
 def test_sampling_follows_the_distribution_and_its_seed():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3)
-    draw = lambda seed: sample_tokens(  # noqa: E731
-        logits, torch.ones(4000), torch.ones(4000), torch.full((4000,), 3),
-        [torch.Generator().manual_seed(seed + i) for i in range(4000)],
-    )[0]  # fmt: skip
+    draw = lambda seed: slot_sampling(  # noqa: E731
+        [SamplingParams()] * 4000, 3, seeds=[seed + i for i in range(4000)]
+    ).sample(logits, slice(0, 4000))[0]
     freq = torch.bincount(draw(0), minlength=3) / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
     assert torch.equal(draw(0), draw(0)) and not torch.equal(draw(0), draw(1))
+
+
+def test_a_samples_draw_depends_on_its_seed_and_token_index_only():
+    logits = torch.randn(6, 100)
+    alone = slot_sampling([SamplingParams()], 100, seeds=[42]).sample(logits[3:4], slice(0, 1))[0]
+    crowd = slot_sampling([SamplingParams()] * 6, 100, seeds=[1, 2, 3, 42, 5, 6]).sample(logits, slice(0, 6))[
+        0
+    ]
+    assert crowd[3] == alone[0]
+
+
+def test_neighbouring_seeds_give_unrelated_streams():
+    """A request's n samples take seeds s, s + 1, ...: their draws must not be one stream shifted by a token."""
+    steps = torch.arange(1, 4096)
+    first, second = uniforms(torch.full_like(steps, 7), steps), uniforms(torch.full_like(steps, 8), steps - 1)
+    assert not torch.isclose(first, second).any()
+    both = torch.stack(
+        [uniforms(torch.full_like(steps, 7), steps), uniforms(torch.full_like(steps, 8), steps)]
+    )
+    assert abs(torch.corrcoef(both)[0, 1]) < 0.05 and abs(both.mean() - 0.5) < 0.02
 
 
 # --- engine --------------------------------------------------------------------------------------------------

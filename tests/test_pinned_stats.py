@@ -4,15 +4,15 @@ losses): a refactor of the loop, the roles or the backends must not change a sin
     AREAL_UPDATE_PINS=1 pytest tests/test_pinned_stats.py   # re-pin, after a change that is meant to
     ATEN_CPU_CAPABILITY=default pytest tests/test_pinned_stats.py   # other kernels: within the tolerance
 
-The roles run pinned kernels (KERNELS), the same on every x86-64 machine with AVX2, AVX-512 ones included:
-there, with the torch build of the pins, the numbers compare bit for bit. Elsewhere (another torch build, a
-CPU without AVX2) other kernels round differently, and the numbers compare within a tolerance instead: whole
-numbers (token counts, lengths, rewards) exactly, the others within a relative 1e-3 (1e-5 absolute for the
-rounding noise near 0). Measured on the pinning machine under other kernels (ATen's default ones, MKL's own
-branch, or both): at most 1.1e-4 relative (ppo_actor/approx_kl/min, a difference of two logprobs), 4.8e-7
-absolute on the noise (behave_approx_kl: one float32 ulp of a logprob), and no sampled token changed. Real
-changes fail it: ppo.eps_clip 0.2 -> 0.21 moves actor_loss/min by 1.25e-2, reward scaling 5 -> 5.05 every
-loss and reward by 1e-2, a 1% larger lr sft/lr by 1e-2 and grad_norm by 2.3e-3.
+The roles run pinned kernels (KERNELS). On a CPU with the vector extensions of the pinning machine and its torch
+build, the numbers compare bit for bit (an AVX-512 machine other than the pinning one gave a gradient norm apart
+in its last bits). Elsewhere (another torch build, another CPU) other kernels round differently, and the numbers
+compare within a tolerance instead: whole numbers (token counts, lengths, rewards) exactly, the others within a
+relative 1e-3 (1e-5 absolute for the rounding noise near 0). Measured on the pinning machine under other kernels
+(ATen's default ones, MKL's own branch, or both): at most 1.1e-4 relative (ppo_actor/approx_kl/min, a difference
+of two logprobs), 4.8e-7 absolute on the noise (behave_approx_kl: one float32 ulp of a logprob), and no sampled
+token changed. Real changes fail it: ppo.eps_clip 0.2 -> 0.21 moves actor_loss/min by 1.25e-2, reward scaling 5 ->
+5.05 every loss and reward by 1e-2, a 1% larger lr sft/lr by 1e-2 and grad_norm by 2.3e-3.
 """
 
 from __future__ import annotations
@@ -66,8 +66,15 @@ def kernels() -> dict[str, str]:
     return {k: v for k, v in KERNELS.items() if k != "ATEN_CPU_CAPABILITY"}
 
 
+def vector_extensions() -> list[str]:
+    """The CPU's AVX-512 and AMX extensions: two AVX-512 machines were seen to round a gradient norm apart."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "") if cpuinfo.exists() else ""  # fmt: skip
+    return sorted(f for f in flags.split() if f.startswith(("avx512", "amx")))
+
+
 def machine() -> dict:
-    return {"torch": torch.__version__, "kernels": kernels()}
+    return {"torch": torch.__version__, "kernels": kernels(), "cpu": vector_extensions()}
 
 
 def pinned_numbers(toy, name: str) -> list[dict]:

@@ -397,7 +397,7 @@ def test_the_builtin_server_answers_as_sglang_does():
     for return_text in (True, False):
         assert unlike_sglang(format_output(out, lambda ids, skip: "ab", True, return_text)) == set()
     # Every finish reason the engine gives a row has a type SGLang has, and only keys SGLang's has.
-    ours = finish_reasons(ast.parse((REPO / "areal_hpc/gen/backends/builtin/batch.py").read_text()))
+    ours = finish_reasons(ast.parse((REPO / "areal_hpc/gen/backends/builtin/scheduler.py").read_text()))
     theirs = sglang_finish_reasons()
     assert set(ours) == FINISH_TYPES and all(ours[t] <= theirs[t] for t in ours), (ours, theirs)
     answers = sglang_answers()

@@ -1,10 +1,12 @@
-"""The generation engine: one thread that batches every request's rows over a transformers causal LM.
+"""The generation engine: one thread that runs every request's rows through the scheduler.
 
 HTTP threads call ``submit`` (queue rows, get a ``Request`` to wait on) and the control methods (abort, pause,
 continue, weight update); controls run on the engine thread between two forward passes, so the batch and the
 model are only ever touched by that thread. Each sample of a request is a row with its own random stream
 (``sampling_seed`` + sample index, or a seed drawn from the server's seeded generator at submission), so a
-sample does not depend on which requests it was batched with.
+sample does not depend on which requests it was batched with. The pieces: ``scheduler`` (rows and slots),
+``runner`` (prefill and decode steps, CUDA graphs), ``cache`` (the KV cache), ``model`` (the decoder's
+weights and forward) and ``sampling``.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from areal_hpc.control import MANIFEST, verify_snapshot
-from areal_hpc.gen.backends.builtin import kv
-from areal_hpc.gen.backends.builtin.batch import Batch, Row
+from areal_hpc.gen.backends.builtin import cache
+from areal_hpc.gen.backends.builtin.model import Decoder, Shape
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
+from areal_hpc.gen.backends.builtin.runner import Runner
+from areal_hpc.gen.backends.builtin.scheduler import Row, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +80,6 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A Hugging Face causal LM from ``path`` in eval mode on ``device``."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    kv.check_supported(model.config)
-    return model
-
-
 def load_tokenizer(path: str):
     """The tokenizer at ``path``, or None (then only input_ids are accepted and no text is returned)."""
     try:
@@ -92,10 +89,14 @@ def load_tokenizer(path: str):
         return None
 
 
-def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+def eos_token_ids(path: str, config, tokenizer) -> frozenset[int]:
     """Every EOS id the model's configs or the tokenizer name."""
+    try:
+        generation = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        generation = None
     ids: set[int] = set()
-    for value in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id):
+    for value in (generation, config.eos_token_id):
         ids.update(value if isinstance(value, list) else [] if value is None else [value])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -113,21 +114,34 @@ class Engine:
         device: str = "cpu",
         dtype: str | None = None,
         seed: int = 0,
-        max_batch_size: int = 64,
+        max_batch_size: int = 256,
         weight_version: str = "0",
+        mem_fraction_static: float = 0.9,
+        context_length: int | None = None,
     ):
         self.model_path, self.tokenizer_path = str(model_path), str(tokenizer_path or model_path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.seed, self.max_batch_size, self.weight_version = seed, max_batch_size, str(weight_version)
-        model = load_model(self.model_path, self.device, self.dtype)
+        decoder = Decoder.from_pretrained(self.model_path, self.device, self.dtype)
         self.tokenizer = load_tokenizer(self.tokenizer_path)
-        config = model.config.get_text_config()
-        self.vocab_size, self.context_len = config.vocab_size, config.max_position_embeddings
-        self.eos_ids = eos_token_ids(model, self.tokenizer)
-        pad = getattr(config, "pad_token_id", None)
-        self._batch = Batch(model, self.context_len, pad_id=pad if pad is not None else 0)
-        self._shapes = {name: p.shape for name, p in model.named_parameters()}
+        config = decoder.config
+        self.vocab_size = config.vocab_size
+        model_len = config.max_position_embeddings
+        context = min(context_length or model_len, model_len)
+        slot_len = cache.slot_len(
+            decoder.shape,
+            max_batch_size,
+            self.dtype,
+            self.device,
+            mem_fraction_static,
+            context,
+            decoder.nbytes,
+        )
+        self.context_len = min(context, slot_len)
+        self.eos_ids = eos_token_ids(self.model_path, config, self.tokenizer)
+        self._sched = Scheduler(Runner(decoder, max_batch_size, slot_len), self.context_len)
+        self._decoder = decoder
         self._seeds = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: deque[Row] = deque()
@@ -138,7 +152,6 @@ class Engine:
         self._released: set[str] = set()  # memory tags given back (colocated: the trainers use it meanwhile)
         self._stale = False  # the weights' memory came back without its contents: serve none until an update
         self._update_lock = threading.Lock()  # one weight load at a time
-        self._tensors: tuple[torch.nn.Module, dict[str, torch.Tensor]] | None = None  # see _named_tensors
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
 
@@ -190,7 +203,7 @@ class Engine:
             if rid in self._requests:
                 raise RequestError("rid", f"{rid!r} is already in use by an unfinished request")
             rows = [
-                Row(prompt, params, stop_ids, self._generator(params, k))
+                Row(prompt, params, stop_ids, self._row_seed(params, k))
                 for k, prompt in enumerate(p for p in prompts for _ in range(params.n))
             ]
             request = Request(rid, rows)
@@ -201,11 +214,10 @@ class Engine:
             self._cond.notify_all()
         return request
 
-    def _generator(self, params: SamplingParams, sample: int) -> torch.Generator:
-        """The random stream of one sample (called under the lock, so server seeds are drawn in order)."""
+    def _row_seed(self, params: SamplingParams, sample: int) -> int:
+        """The seed of one sample's stream (called under the lock, so server seeds are drawn in order)."""
         seed = params.sampling_seed
-        seed = seed + sample if seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
-        return torch.Generator().manual_seed(seed)
+        return seed + sample if seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
 
     # --- controls (run on the engine thread between forward passes) ---------------------------------------
 
@@ -231,20 +243,18 @@ class Engine:
         self._call(lambda: setattr(self, "_paused", False))
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Give back the memory of ``tags`` (SGLang's release_memory_occupation), only while idle: the weights'
-        storage is freed (buffers such as rotary tables are kept, as SGLang keeps its static state), the KV
-        cache is per request here, so there is none to free. Generation is refused until it is resumed."""
+        """Give back the memory of ``tags`` (SGLang's release_memory_occupation), only while idle: the weights,
+        the KV cache and the CUDA graphs (which point at both; rotary tables are kept, as SGLang keeps its
+        static state). Generation is refused until it is resumed."""
         tags = _memory_tags(tags)
 
         def release() -> None:
-            if self._batch.rows or self._waiting:
+            if self._sched.rows or self._waiting:
                 raise RequestError(
                     None, "release_memory_occupation needs an idle server: requests are running"
                 )
-            if "weights" in tags and "weights" not in self._released:
-                for param in self._batch.model.parameters():
-                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                _empty_device_cache(self.device)
+            new = set(tags) - self._released
+            self._sched.runner.release(weights="weights" in new, cache="kv_cache" in new)
             self._released |= set(tags)
 
         self._call(release)
@@ -257,9 +267,8 @@ class Engine:
         def resume() -> None:
             if not set(tags) <= self._released:
                 raise RequestError("tags", f"{sorted(set(tags) - self._released)} not released")
+            self._sched.runner.resume(weights="weights" in tags, cache="kv_cache" in tags)
             if "weights" in tags:
-                for name, param in self._batch.model.named_parameters():
-                    param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
                 self._stale = True
             self._released -= set(tags)
 
@@ -278,21 +287,31 @@ class Engine:
     @property
     def memory(self) -> dict:
         """What the server holds: the tags released, and whether its weights wait for an update."""
-        held = sum(p.nbytes for p in self._batch.model.parameters())
+        held = self._decoder.nbytes
         return {"released": sorted(self._released), "weights_stale": self._stale, "weights_bytes": held}
 
     def update_weights(self, model_path: str, weight_version: Any = None, abort_all: bool = True) -> str:
-        """Load new weights from an HF directory and swap them in between two decode steps; returns the
-        version. A snapshot of ours is checked against its manifest first (a plain HF directory, as SGLang
-        takes, loads as it is)."""
+        """Load new weights from an HF directory between two decode steps; returns the version. A snapshot of
+        ours is checked against its manifest first (a plain HF directory, as SGLang takes, loads as it is);
+        the files are read into the weights in place (CUDA graphs keep pointing at them)."""
 
         def load() -> Callable[[], None]:
             if (Path(model_path) / MANIFEST).exists():
                 verify_snapshot(model_path)
-            model = load_model(str(model_path), self.device, self.dtype)
+            shape = Shape.of(AutoConfig.from_pretrained(model_path))
+            if shape != self._decoder.shape:
+                raise ValueError(
+                    f"{model_path} holds a model of another shape: {shape}, serving {self._decoder.shape}"
+                )
 
             def apply() -> None:
-                self._batch.set_model(model)
+                try:
+                    self._decoder.load(str(model_path))
+                except BaseException:
+                    self._stale = (
+                        True  # a failure half way leaves no usable weights: serve none until an update
+                    )
+                    raise
                 self.model_path = str(model_path)
 
             return apply
@@ -314,7 +333,7 @@ class Engine:
 
         def load() -> Callable[[], None]:
             named = receive()
-            params = self._named_tensors()
+            params = self._decoder.named()
             unknown = [name for name, _ in named if name not in params]
             if unknown:
                 raise KeyError(f"the model has no weights named {unknown[:5]} ({len(unknown)} unknown)")
@@ -332,15 +351,6 @@ class Engine:
             return apply
 
         return self._update(load, weight_version, abort_all)
-
-    def _named_tensors(self) -> dict[str, torch.Tensor]:
-        """The model's state dict, parameters as themselves, made once per model (under the update lock): a
-        publication asks for it once a bucket, and a 7B model's takes 2 ms of Python. Releasing and resuming
-        memory swaps the parameters' data, not the parameters."""
-        model = self._batch.model
-        if self._tensors is None or self._tensors[0] is not model:
-            self._tensors = (model, model.state_dict(keep_vars=True))
-        return self._tensors[1]
 
     def _update(self, load: Callable[[], Callable[[], None]], weight_version: Any, abort_all: bool) -> str:
         """One weight update at a time: ``load()`` off the engine thread, then its result applied on it.
@@ -374,7 +384,7 @@ class Engine:
     def _drain(self, poll: float = 0.01) -> None:
         """Stop admitting rows and wait until the running ones have finished."""
         self._call(lambda: setattr(self, "_draining", True))
-        while self._batch.rows and self.healthy:
+        while self._sched.rows and self.healthy:
             time.sleep(poll)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
@@ -393,7 +403,7 @@ class Engine:
             self._waiting = deque(row for row in self._waiting if not match(row.owner))
         for row in queued:
             row.abort(message)
-        running = self._batch.abort(lambda row: match(row.owner), message)
+        running = self._sched.abort(lambda row: match(row.owner), message)
         self._finish(queued + running)
         return len({id(row.owner) for row in queued + running})
 
@@ -408,7 +418,7 @@ class Engine:
             self.error = exc
         self._run_controls()
         self._abort_now(lambda req: True, f"engine stopped: {self.error or 'server shutting down'}")
-        log.info("engine counters: %s", json.dumps(dict(self._batch.stats)))
+        log.info("engine counters: %s", json.dumps(dict(self._sched.stats)))
         with self._cond:
             controls, self._controls = list(self._controls), deque()
         for _, future in controls:
@@ -422,18 +432,21 @@ class Engine:
 
     def _has_work(self) -> bool:
         admit = bool(self._waiting) and not self._draining
-        return bool(self._controls) or (not self._paused and (admit or bool(self._batch.rows)))
+        return bool(self._controls) or (not self._paused and (admit or bool(self._sched.rows)))
 
     def _step(self) -> None:
         """Run pending controls, admit waiting rows into free slots, then decode one token for the batch."""
-        self._run_controls()
+        if self._controls:
+            self._finish(self._sched.flush())  # controls see every launched step read
+            self._run_controls()
         with self._cond:
             if self._paused:
+                self._finish(self._sched.flush())
                 return
-            free = 0 if self._draining else max(self.max_batch_size - len(self._batch.rows), 0)
+            free = 0 if self._draining else max(self.max_batch_size - len(self._sched.rows), 0)
             admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        finished = self._batch.admit(admitted) if admitted else []
-        finished += self._batch.step()
+        finished = self._sched.admit(admitted) if admitted else []
+        finished += self._sched.step()
         self._finish(finished)
 
     def _run_controls(self) -> None:
@@ -476,7 +489,7 @@ class Engine:
 
     def info(self) -> dict:
         """State and counters for /server_info."""
-        running = {id(row.owner) for row in self._batch.rows}
+        running = {id(row.owner) for row in self._sched.rows}
         with self._cond:
             return {
                 "weight_version": self.weight_version,
@@ -487,7 +500,8 @@ class Engine:
                 "paused": self._paused,
                 "memory": self.memory,
                 "healthy": self.healthy,
-                "stats": dict(self._batch.stats),
+                "stats": dict(self._sched.stats),
+                "slot_len": self._sched.runner.slot_len,
             }
 
 
@@ -498,9 +512,3 @@ def _memory_tags(tags: list[str] | None) -> list[str]:
     if not isinstance(tags, list) or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
         raise RequestError("tags", f"must be a list of {', '.join(MEMORY_TAGS)}, got {tags!r}")
     return tags
-
-
-def _empty_device_cache(device: torch.device) -> None:
-    """Hand freed blocks back to the device, where the trainer process allocates them."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -1,23 +1,53 @@
-"""Next-token sampling for a batch of rows, each with its own temperature, top-p, top-k and random stream.
+"""Next-token sampling on the device, per slot: temperature, top-p, top-k, banned stop tokens and a seeded draw.
 
-The logprob returned for a token is ``log_softmax(logits / temperature)`` of that token over the WHOLE vocabulary
-(``log_softmax(logits)`` when greedy): top-k, top-p and the min_new_tokens ban only restrict which tokens may be
-drawn. That is the quantity a trainer recomputes from the same logits, as SGLang reports it.
+Each slot keeps its sample's settings in device tensors, so a decode step samples with no host round trip. The
+random number of a sample's k-th token is a hash of (its seed, k): a sample does not depend on which rows it
+was batched with, nor on the device. The logprob returned for a token is ``log_softmax(logits / temperature)``
+of that token over the WHOLE vocabulary (``log_softmax(logits)`` when greedy): top-k, top-p and the
+min_new_tokens ban only restrict which tokens may be drawn. That is what a trainer recomputes, as SGLang reports.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Temperatures at or below this are greedy (SGLang treats tiny temperatures the same way).
-GREEDY_TEMPERATURE = 1e-5
+from areal_hpc.gen.backends.builtin.protocol import SamplingParams
+
+GREEDY_TEMPERATURE = 1e-5  # at or below: greedy (SGLang treats tiny temperatures the same way)
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as torch's int64 holds it (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer (wrapping int64 arithmetic)."""
+    x = (x ^ _shift(x, 30)) * _MIX1
+    x = (x ^ _shift(x, 27)) * _MIX2
+    return x ^ _shift(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One float64 in [0, 1) per (seed, counter): the counter-th output of splitmix64 seeded with the mixed seed.
+    The seed is mixed first: seeds s and s + 1 (a request's n samples) must not give shifted copies of one
+    stream."""
+    x = _mix(_mix(seeds) + (counters + 1) * _GOLDEN)
+    return _shift(x, 11).double() / float(1 << 53)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf the logits outside each row's top-k and top-p nucleus (top_k >= vocab, top_p 1: no-op)."""
     vocab = logits.shape[-1]
-    if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
-        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)
     probs = sorted_logits.softmax(dim=-1)
@@ -27,40 +57,78 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def draw_uniforms(generators: list[torch.Generator]) -> torch.Tensor:
-    """One uniform number in [0, 1) per row, each from the row's own CPU generator.
+class SlotSampling:
+    """The sampling settings and token counters of every slot, on the device."""
 
-    A row's random stream does not depend on which other rows share its batch, so sampling is reproducible
-    under any batching and on any device.
-    """
-    return torch.tensor([torch.rand(1, generator=g).item() for g in generators], dtype=torch.float64)
+    def __init__(self, slots: int, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        zeros = lambda dtype: torch.zeros(slots, dtype=dtype, device=device)  # noqa: E731
+        self.temperature, self.top_p = zeros(torch.float32), zeros(torch.float32)
+        self.top_k, self.seed, self.count, self.min_new = (zeros(torch.long) for _ in range(4))
+        self.stop_ids = torch.zeros(slots, 1, dtype=torch.long, device=device)  # padded with a row's own id
+        self.filtered: set[int] = set()  # slots whose rows use top-k or top-p: the step takes the sort path
 
+    def set(
+        self, slots: list[int], params: list[SamplingParams], seeds: list[int], stops: list[frozenset]
+    ) -> None:
+        """Give ``slots`` their rows' settings, with no tokens generated yet."""
+        index = torch.tensor(slots, device=self.device)
+        put = lambda t, values: t.index_copy_(0, index, torch.tensor(values, dtype=t.dtype).to(self.device))  # noqa: E731
+        put(self.temperature, [p.temperature for p in params])
+        put(self.top_p, [p.top_p for p in params])
+        put(self.top_k, [p.top_k if p.top_k > 0 else self.vocab for p in params])
+        put(self.seed, seeds)
+        put(self.count, [0] * len(slots))
+        put(self.min_new, [p.min_new_tokens if s else 0 for p, s in zip(params, stops, strict=True)])
+        width = max(max((len(s) for s in stops), default=1), self.stop_ids.shape[1])
+        if width > self.stop_ids.shape[1]:
+            self.stop_ids = torch.nn.functional.pad(self.stop_ids, (0, width - self.stop_ids.shape[1]))
+        rows = [sorted(t for t in s if t < self.vocab) or [0] for s in stops]
+        put(self.stop_ids, [r + [r[0]] * (width - len(r)) for r in rows])
+        for slot, p in zip(slots, params, strict=True):
+            (self.filtered.add if p.top_k > 0 or p.top_p < 1.0 else self.filtered.discard)(slot)
 
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    generators: list[torch.Generator],
-    banned: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` [B, V]; returns (tokens [B] long, logprobs [B] float32).
+    def move(self, src: int, dst: int) -> None:
+        for t in (
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.seed,
+            self.count,
+            self.min_new,
+            self.stop_ids,
+        ):
+            t[dst] = t[src]
+        if src in self.filtered:
+            self.filtered.discard(src)
+            self.filtered.add(dst)
 
-    ``temperature``, ``top_p`` [B] float and ``top_k`` [B] long (>= V for no limit) are per row; ``banned``
-    [B, V] bool marks tokens a row may not draw now (stop tokens before min_new_tokens).
-    """
-    logits = logits.float()
-    greedy = temperature <= GREEDY_TEMPERATURE
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits)
-    scaled = logits / scale[:, None]
-    logprobs = scaled.log_softmax(dim=-1)
+    def sample(self, logits: torch.Tensor, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """A token and its logprob for each of ``slots`` from its ``logits`` row [R, V]; counts the token."""
+        logits = logits.float()
+        temperature = self.temperature[slots]
+        greedy = temperature <= GREEDY_TEMPERATURE
+        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        logprobs = scaled.log_softmax(dim=-1)
+        count, stop_ids = self.count[slots], self.stop_ids[slots]
+        # Before min_new_tokens a row may not draw its stop tokens (padding repeats one, so writes agree).
+        banned = (count < self.min_new[slots])[:, None].expand_as(stop_ids)
+        allowed = scaled.scatter(1, stop_ids, scaled.gather(1, stop_ids).masked_fill(banned, float("-inf")))
+        if self._filters(slots):
+            allowed = filter_top_k_top_p(allowed, self.top_k[slots], self.top_p[slots])
+        cdf = allowed.softmax(dim=-1).cumsum(dim=-1)
+        # Inverse-CDF draw; right=True never lands on a zero-probability token.
+        total = cdf[:, -1]
+        u = (uniforms(self.seed[slots], count) * total.double()).float()
+        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # float rounding stays below
+        drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+        tokens = torch.where(greedy, allowed.argmax(dim=-1), drawn)
+        self.count[slots] += 1
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
-    allowed = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
-    allowed = filter_top_k_top_p(allowed, top_k.to(logits.device), top_p.to(logits))
-    probs = allowed.softmax(dim=-1).double()
-    cdf = probs.cumsum(dim=-1)
-    # Inverse-CDF draw; right=True never lands on a zero-probability token.
-    u = draw_uniforms(generators).to(logits.device)[:, None] * cdf[:, -1:]
-    drawn = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-    tokens = torch.where(greedy.to(logits.device), allowed.argmax(dim=-1), drawn)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    def _filters(self, slots: torch.Tensor | slice) -> bool:
+        if not self.filtered:
+            return False
+        if isinstance(slots, slice):
+            return any(s < slots.stop for s in self.filtered)
+        return True  # a prefill: rare, so the sort runs without checking which rows need it
