@@ -6,11 +6,12 @@ TINY ?= .cache/tiny
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv tiny test test-slow test-faults lint format docs demo bench clean slurm-up slurm-down
+.PHONY: help venv tiny test test-slow test-gpu test-faults lint format docs demo bench clean slurm-up slurm-down
 
 help:
 	@echo "make test   - create the environment and run the test suite but its slow tests"
 	@echo "make test-slow - the slow tests that make test leaves out (fault injections, longer recoveries)"
+	@echo "make test-gpu - the tests that need a CUDA GPU (tests/test_gpu.py)"
 	@echo "make test-faults - every fault-injection test on the local Slurm cluster (minutes each)"
 	@echo "make demo   - create the environment, build the tiny model and run the embedded default"
 	@echo "make lint   - ruff check and format check"
@@ -43,11 +44,15 @@ $(SGLANG_SRC)/.installed: $(STAMP)
 # Lint first: a style slip fails CI as a test would. Tests marked slow (most fault injections) are left out;
 # the 25 slowest tests are listed at the end (the suite must stay well under 30 minutes).
 test: lint tiny $(SGLANG_SRC)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow and not gpu" --durations=25
 
 # What `make test` leaves out: the slow tests, fault injections and longer recoveries (tens of minutes).
 test-slow: tiny $(SGLANG_SRC)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "slow and not gpu" --durations=25
+
+# On a GPU machine (the device tool: `source tools/gpu_env.sh; python -m pytest -m gpu`): the CUDA paths.
+test-gpu: tiny
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m gpu --durations=10
 
 # Faults injected into a toy run on the local Slurm cluster (tests/test_faults.py), the slow ones included.
 # AREAL_FAULT_REPORT=FILE collects a JSON line per fault: `python3 tools/fault_table.py FILE` tabulates them.

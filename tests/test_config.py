@@ -158,6 +158,11 @@ def test_malformed_override_and_yaml(tmp_path):
             "'async_rl': colocated generation and training take turns",
         ),
         (["allocation_mode=d1p1m1"], "'weight_update_mode': colocated servers share the trainers' GPUs"),
+        (["weight_update_mode=tensor"], "tensor hands GPU memory to servers on the trainers' GPUs"),
+        (
+            ["allocation_mode=d1p1m1", "weight_update_mode=tensor", "cluster.n_nodes=2", "async_rl=false"],
+            "to the servers of its node only, and this run has 2 nodes",
+        ),
         (["allocation_mode=actor_train:d1p1m1"], "give actor_gen:<3D spec> or '*:<3D spec>'"),
         (["colocated_gen_backend=sglang"], "'colocated_gen_backend' is set, but allocation_mode"),
         (["allocation_mode=manual"], "manual allocations are not implemented yet"),
@@ -273,7 +278,7 @@ DOES_NOTHING = [
     ("exp_ctrl.ckpt_freq_steps=5", "recover_mode is disabled"),
     ("weight_update_mode=disk", "weight_update_bucket_mb=64", "it applies to weight_update_mode broadcast"),
     ("logging.wandb_mode=online", "logging.wandb is false"),
-    ("sglang.context_length=4096", "it applies to SGLang servers only"),
+    ("sglang.log_level=info", "it applies to SGLang servers only"),
     ("reward.fn_workers=4", "it applies to reward.fn, which is not set"),
     ("reward.fn=mod:score", "reward.code_isolation=best_effort", "reward.fn scores every answer"),
 ]

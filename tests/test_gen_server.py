@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -24,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from areal_hpc.control.manifest import write_manifest
 from areal_hpc.gen.backends.builtin.server import ServerSetupError, main, read_token
 from areal_hpc.gen.client import GenClient, GenServerError
+from areal_hpc.weights.shared import SharedWeights
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-secret-token"
@@ -212,6 +215,29 @@ def test_update_weights_from_disk_changes_outputs_and_version(client, model, tin
     client.update_weights_from_disk(str(original), weight_version=6)
     again = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
     assert again["output_ids"] == before["output_ids"] and again["meta_info"]["weight_version"] == "6"
+
+
+def test_update_weights_from_tensor_copies_what_this_process_shares(client, model):
+    """The trainer's colocated path (weight_update_mode tensor): the server maps this process's shared memory."""
+    before = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
+    gen = torch.Generator().manual_seed(1)
+    perturbed = [(n, p.detach() + torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()]
+    weights = SharedWeights()
+    result = client.update_weights_from_tensor([weights.share(perturbed)["serialized"]], weight_version=7)
+    assert result["success"]
+    after = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
+    assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "7"
+
+    bad = base64.b64encode(pickle.dumps(os.getcwd)).decode()  # a payload naming a function to run
+    with pytest.raises(GenServerError, match="refused: the payload names posix.getcwd"):
+        client.update_weights_from_tensor([bad])
+    wrong = [(n, t[..., :1]) if t.dim() == 2 else (n, t) for n, t in perturbed]
+    with pytest.raises(GenServerError, match=r"shape \(\d+, 1\), the model's is"):
+        client.update_weights_from_tensor([weights.share(wrong)["serialized"]])
+    original = [(n, p.detach()) for n, p in model.named_parameters()]
+    client.update_weights_from_tensor([weights.share(original)["serialized"]], weight_version=8)
+    weights.release()
+    assert client.generate([3, 1, 4, 1, 5], GREEDY)[0]["output_ids"] == before["output_ids"]
 
 
 def test_released_memory_serves_nothing_until_resumed_and_updated(client, tiny_model_dir):

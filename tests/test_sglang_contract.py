@@ -124,6 +124,7 @@ REPLIES = {  # a route not here answers 200 with an empty body, as SGLang's /abo
     "/update_weights_from_disk": {**DONE, "num_paused_requests": 0},
     "/init_weights_update_group": DONE,
     "/update_weights_from_distributed": DONE,
+    "/update_weights_from_tensor": DONE,
     "/destroy_weights_update_group": DONE,
     "/pause_generation": PAUSED,
     "/continue_generation": PAUSED,
@@ -146,6 +147,7 @@ def client_calls(params: dict) -> dict[str, Callable[[GenClient], Any]]:
         "/update_weights_from_distributed": lambda c: c.update_weights_from_distributed(
             ["w"], ["bfloat16"], [[2, 2]], "g", weight_version=3, load_format="flattened_bucket"
         ),
+        "/update_weights_from_tensor": lambda c: c.update_weights_from_tensor(["gAU="], weight_version=3),
         "/destroy_weights_update_group": lambda c: c.destroy_weights_update_group("g"),
         "/release_memory_occupation": lambda c: c.release_memory_occupation(),
         "/resume_memory_occupation": lambda c: c.resume_memory_occupation(["weights"]),
@@ -186,7 +188,7 @@ def sent_bodies() -> dict[str, dict]:
 
 def test_every_body_the_client_sends_builds_the_request_sglang_takes_there():
     routes, bodies = request_classes(), sent_bodies()
-    assert len(bodies) == 10
+    assert len(bodies) == 11
     for route, body in bodies.items():
         fields = class_fields(routes[route])
         unknown = set(body) - set(fields) - OURS.get(route, set())

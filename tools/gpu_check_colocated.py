@@ -1,9 +1,15 @@
 """Colocated generation on one GPU: a random-weight model of Qwen2.5-0.5B's shape trains a few GRPO steps while
 its built-in server shares the GPU, releasing its memory during each step's training and taking it back for
-the new weights (from a disk snapshot). Not part of the test suite (tests/test_colocated.py covers the same
-turns on the CPU).
+the new weights (shared by the trainer's GPU memory, or a disk snapshot); prints each step's time, its parts and
+its generated tokens per second of the whole step. tests/test_gpu.py runs it small; tests/test_colocated.py
+covers the same turns on the CPU.
 
-    python tools/gpu_check_colocated.py [--steps 3] [--shape 0.5b]
+    python tools/gpu_check_colocated.py [--steps 3] [--shape 0.5b] [--prompts 16] [--group-size 4]
+        [--max-new-tokens 256] [--mem-fraction 0.5] [--weight-update-mode tensor]
+
+Issue 32's workload (a GRPO step of 16 prompts x 8 answers of 1,024 tokens, the 1.5B shape)::
+
+    python tools/gpu_check_colocated.py --steps 3 --shape 1.5b --group-size 8 --max-new-tokens 1024
 
 Samples every process's GPU memory (nvidia-smi) during the run and prints the server's: held while it
 generates, and left while the trainer trains. Exits 1 when the run fails, a step did not release and resume
@@ -57,6 +63,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=4, help="answers per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--weight-update-mode", default="tensor", choices=("tensor", "disk"))
+    parser.add_argument(
+        "--mem-fraction", type=float, default=None, help="sglang.mem_fraction_static: the server's share"
+    )
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-colocated-") as root:
         model = Path(root) / "model"
@@ -68,10 +81,12 @@ def main() -> int:
             [
                 f"cluster.fileroot={root}", "trial_name=colocated", f"actor.path={model}",
                 f"dataset.path={TINY / 'data/easy/train.jsonl'}", f"dataset.valid_path={TINY / 'data/easy/test.jsonl'}",
-                "allocation_mode=d1p1m1", "weight_update_mode=disk", "cluster.n_nodes=1", "cluster.n_gpus_per_node=1",
-                "actor.dtype=bfloat16", "dataset.train_bs_n_seqs=16", "group_size=4", "ppo.gen.max_new_tokens=256",
+                "allocation_mode=d1p1m1", f"weight_update_mode={ns.weight_update_mode}", "cluster.n_nodes=1", "cluster.n_gpus_per_node=1",
+                "actor.dtype=bfloat16", f"dataset.train_bs_n_seqs={ns.prompts}", f"group_size={ns.group_size}",
+                f"ppo.gen.max_new_tokens={ns.max_new_tokens}", f"max_running_requests={max(ns.prompts * ns.group_size, 64)}",
                 f"exp_ctrl.benchmark_steps={ns.steps}", "logging.tensorboard=false", "logging.progress=false",
-            ],
+            ]
+            + ([f"sglang.mem_fraction_static={ns.mem_fraction}"] if ns.mem_fraction is not None else []),
         )  # fmt: skip
         samples: dict[int, list[int]] = defaultdict(list)
         stop = threading.Event()
@@ -99,14 +114,19 @@ def main() -> int:
         ok = server is not None
         if ok:
             mib = others[server]
-            held, left = max(mib), min(mib[mib.index(max(mib)) :])  # after it first held its peak
+            held = max(mib)
+            first = next(i for i, m in enumerate(mib) if m >= 0.9 * held)  # once it took its cache
+            left = min(mib[first:])
             print(f"server: holds {held} MiB generating, {left} MiB while released (weights {weights_mib:.0f} MiB, "
                   f"trainer peak {max(samples[trainer])} MiB)")  # fmt: skip
             ok = held - left > 0.8 * weights_mib
         steps = [r for r in read_stats(run.stats) if "ppo_actor/task_reward/avg" in r]
         for r in steps:
+            tokens = ns.prompts * ns.group_size * r["rollout/answer_len/avg"]
             print(f"step {r['step']}: e2e {r['timeperf/e2e']:.1f} s, release {r['timeperf/release_memory']:.2f} s, "
-                  f"resume {r['timeperf/resume_memory']:.2f} s, weight update {r['timeperf/weight_sync']:.2f} s")  # fmt: skip
+                  f"resume {r['timeperf/resume_memory']:.2f} s, weight update {r['timeperf/weight_sync']:.2f} s, "
+                  f"{tokens:.0f} tokens generated: {tokens / r['timeperf/e2e']:.0f} tokens/s of the step; "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.startswith("timeperf/")))  # fmt: skip
         ok &= len(steps) == ns.steps
         print("colocated check:", "OK" if ok else "FAILED")
         return 0 if ok else 1

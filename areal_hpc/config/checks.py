@@ -266,6 +266,11 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
             f"(available: {', '.join(GEN_BACKENDS)})"
         ]
     out = _colocated_problems(cfg, mode) if mode.kind == "colocated" else []
+    if mode.kind != "colocated" and cfg.weight_update_mode == "tensor":
+        out.append(
+            f"'weight_update_mode': tensor hands GPU memory to servers on the trainers' GPUs, and allocation_mode "
+            f"{cfg.allocation_mode!r} gives the servers GPUs of their own; give weight_update_mode=broadcast"
+        )
     if out:
         return out
     tensor = (mode.gen or dict(mode.train).get("actor_gen") or dict(mode.train)[alloc.DEFAULT_KEY]).tensor
@@ -317,10 +322,15 @@ def _colocated_problems(cfg: ExperimentConfig, mode: alloc.AllocationMode) -> li
             "'async_rl': colocated generation and training take turns on the same GPUs, so generation cannot "
             "run ahead; give async_rl=false, or the servers GPUs of their own (e.g. 'builtin.d1p1m1+d1p1m1')"
         )
-    if cfg.weight_update_mode != "disk":
+    if cfg.weight_update_mode == "broadcast":
         out.append(
             "'weight_update_mode': colocated servers share the trainers' GPUs, where NCCL cannot join two ranks "
-            "of one GPU; give weight_update_mode=disk"
+            "of one GPU; give weight_update_mode=tensor (or disk)"
+        )
+    if cfg.weight_update_mode == "tensor" and cfg.cluster.n_nodes > 1:
+        out.append(
+            "'weight_update_mode': tensor hands trainer rank 0's GPU memory to the servers of its node only, and "
+            f"this run has {cfg.cluster.n_nodes} nodes; give weight_update_mode=disk"
         )
     return out
 

@@ -133,7 +133,8 @@ RULES = (
     ),
     Rule(("logging.wandb_mode",), ("logging.wandb",), lambda c: not c.logging.wandb, "logging.wandb is false"),
     Rule(
-        ("sglang.",), ("allocation_mode", "colocated_gen_backend"), lambda c: _gen_backend(c) not in ("sglang", None),
+        ("sglang.log_level",), ("allocation_mode", "colocated_gen_backend"),
+        lambda c: _gen_backend(c) not in ("sglang", None),
         "it applies to SGLang servers only, and the generation backend is another",
     ),
     Rule(

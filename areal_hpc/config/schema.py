@@ -190,10 +190,15 @@ class EvalConfig:
 
 @dataclass
 class SGLangConfig:
-    """Options of SGLang servers (allocation_mode sglang.*); the launch flags of SGLANG_API.md."""
+    """Options of SGLang servers (allocation_mode sglang.*), the launch flags of SGLANG_API.md; the built-in
+    server takes the first two too."""
 
     mem_fraction_static: float = opt(
-        0.9, "Share of a GPU's memory SGLang takes for the weights and the KV cache.", gt=0, le=1
+        0.9,
+        "Share of a GPU's memory a server takes for the weights and the KV cache (colocated: leave the trainer "
+        "its share).",
+        gt=0,
+        le=1,
     )
     context_length: int | None = opt(
         32768, "Longest sequence (prompt + answer) a server takes; null: the model's.", ge=1
@@ -375,8 +380,9 @@ class ExperimentConfig:
         "broadcast",
         "How new weights reach the generation servers after a train step: broadcast (trainer rank 0 sends them "
         "over a torch.distributed group of its own with every server: NCCL on GPU, gloo on CPU) or disk (rank 0 "
-        "saves a safetensors snapshot with a manifest in the run directory; each server loads it).",
-        choices=("broadcast", "disk"),
+        "saves a safetensors snapshot with a manifest in the run directory; each server loads it) or tensor "
+        "(colocated on one node: rank 0 shares its GPU memory, CUDA IPC, and each server copies from it).",
+        choices=("broadcast", "disk", "tensor"),
     )
     param_realloc_mode: str = opt(
         "broadcast",
@@ -402,8 +408,9 @@ class ExperimentConfig:
         None, "Rollouts in flight at once; null: dataset.train_bs_n_seqs.", ge=1
     )
     max_running_requests: int = opt(
-        64,
-        "Samples a generation server decodes together (SGLang's option); the rest wait in its queue.",
+        256,
+        "Samples a generation server decodes together (SGLang's option; the built-in server's KV cache has a "
+        "slot for each); the rest wait in its queue.",
         ge=1,
     )
     n_rollout_workers: int | None = opt(

@@ -251,6 +251,24 @@ class GenClient:
             body["load_format"] = load_format
         return self._succeed("/update_weights_from_distributed", body, timeout)
 
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        weight_version: str | int | None = None,
+        abort_all_requests: bool = False,
+        timeout: float | None = None,
+    ) -> dict:
+        """Make the server copy the tensors a process of its host shares (``weights.shared``: one entry per TP
+        rank of the server); returns once they are swapped in."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "flush_cache": True,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._succeed("/update_weights_from_tensor", body, timeout)
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """Make the server leave the weight group."""
         return self._succeed("/destroy_weights_update_group", {"group_name": group_name})

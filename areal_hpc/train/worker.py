@@ -12,7 +12,9 @@ copy's weights are brought up to date before its next call (parameter reallocati
 Weight publication over a broadcast group (`areal_hpc.weights`), answered on arrival: `weight_group_store`
 (serve the group's store; reply its address), `init_weight_group` (join as rank 0 once every server joins;
 reply the bucket plan) and `destroy_weight_group`, asked of rank 0 alone; `broadcast_weights`, asked of every
-rank: the actor's full weights are gathered tensor by tensor on all ranks, and rank 0 sends them.
+rank: the actor's full weights are gathered tensor by tensor on all ranks, and rank 0 sends them. Colocated
+(`weight_update_mode: tensor`): `share_weights` (every rank gathers; rank 0 holds the full weights and replies
+their handles for the servers of its host) and `unshare_weights` once the servers copied them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from areal_hpc.train.backends import TrainEngine, make_engine
 from areal_hpc.train.rng import rng_state, set_rng_state
 from areal_hpc.train.sharded import AsyncSave
 from areal_hpc.train.sharded import load as load_shards
-from areal_hpc.weights import WeightSender, plan_payload
+from areal_hpc.weights import SharedWeights, WeightSender, plan_payload
 
 logger = logging.getLogger("trainer")
 # A recover checkpoint's trainer part: every rank's shards, the LR schedules, each rank's generators.
@@ -51,6 +53,7 @@ class TrainerHandlers:
         self._stale: set[str] = set()  # the MFCs whose copy is behind its model
         self._snapshots: dict[str, str] = {}  # model -> its HF snapshot folder (param_realloc_mode disk)
         self.weight_sender = WeightSender()
+        self.shared_weights = SharedWeights()
         self.saver: AsyncSave | None = None  # made by the first recover_save or _reserve
         self._reserved: set[str] = set()  # models whose checkpoint buffers are made
 
@@ -244,6 +247,20 @@ class TrainerHandlers:
                 pass
             return {}
         return self.weight_sender.send(weights)
+
+    def share_weights(self, payload: Any) -> dict:
+        """Rank 0: hold the actor's full weights and reply them serialized, `{"serialized", "bytes"}` (a
+        CUDA IPC handle each: the servers on this rank's GPUs copy from them); other ranks: help gather, `{}`."""
+        weights = self.engines["actor"].hf_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return {}
+        return self.shared_weights.share(weights)
+
+    def unshare_weights(self, payload: Any) -> dict:
+        self.shared_weights.release()
+        return {}
 
     def destroy_weight_group(self, payload: Any) -> dict:
         self.weight_sender.close()

@@ -4,14 +4,22 @@ bucket     the bucket plan, flatten and unflatten (pure), the sender's reused st
 group      the process group of trainer rank 0 and the servers (SGLang's weight-update group)
 sender     trainer rank 0's end
 receiver   a server's end
-publisher  the controller's end: `publish(version) -> stats` as weight_update_mode says (broadcast, disk)
+shared     tensors handed to a server of the same host (CUDA IPC, shared memory): weight_update_mode tensor
+publisher  the controller's end: `publish(version) -> stats` as weight_update_mode says (broadcast, disk, tensor)
 """
 
 from areal_hpc.weights.bucket import FieldError, metas_from_fields
 from areal_hpc.weights.group import host_store
-from areal_hpc.weights.publisher import BroadcastPublisher, DiskPublisher, WeightSyncError, make_publisher
+from areal_hpc.weights.publisher import (
+    BroadcastPublisher,
+    DiskPublisher,
+    TensorPublisher,
+    WeightSyncError,
+    make_publisher,
+)
 from areal_hpc.weights.receiver import FLATTENED, ReceiverGroups
 from areal_hpc.weights.sender import WeightSender, plan_payload
+from areal_hpc.weights.shared import SharedWeights
 
 __all__ = [
     "FLATTENED",
@@ -19,6 +27,8 @@ __all__ = [
     "DiskPublisher",
     "FieldError",
     "ReceiverGroups",
+    "SharedWeights",
+    "TensorPublisher",
     "WeightSender",
     "WeightSyncError",
     "host_store",

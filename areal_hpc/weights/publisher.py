@@ -13,9 +13,13 @@ while each server receives them, one ``/update_weights_from_distributed`` reques
 ``manifest.json`` is written last; every server loads it with ``/update_weights_from_disk``; the previous
 snapshot is removed.
 
+``TensorPublisher`` (``weight_update_mode: tensor``, colocated): every trainer rank gathers the full weights,
+rank 0 holds them and shares them by CUDA IPC handles (``shared.py``); every server copies them with
+``/update_weights_from_tensor`` (SGLang's API); then rank 0 drops them. No disk and no copy on the way.
+
 The parts of one step run concurrently and are awaited together within ``timeout`` seconds: a part that fails
 or does not finish in time raises ``WeightSyncError`` naming the server or trainer rank and why, so the run
-fails instead of hanging. Both report ``timeperf/weight_sync`` and ``weight_sync/bytes``.
+fails instead of hanging. Each reports ``timeperf/weight_sync`` and ``weight_sync/bytes``.
 """
 
 from __future__ import annotations
@@ -218,6 +222,41 @@ class DiskPublisher:
         }
 
 
+class TensorPublisher:
+    """Publishes to colocated servers by handing them trainer rank 0's tensors (``weights/shared.py``): every
+    rank gathers the full weights, rank 0 shares them, each server copies them, then rank 0 lets them go."""
+
+    def __init__(
+        self,
+        trainers,
+        clients: Sequence,
+        timeout: float = 300.0,
+        abort_all_requests: bool = True,
+        tp_size: int = 1,
+    ):
+        self.trainers, self.clients, self.tp_size = trainers, list(clients), tp_size
+        self.timeout, self.abort_all = timeout, abort_all_requests
+
+    def publish(self, version: int) -> dict[str, float]:
+        start, call_t = time.monotonic(), self.timeout + MARGIN_S
+        try:
+            shared = run_all(
+                {TRAINER: lambda: self.trainers.call_each("share_weights", {"version": version}, call_t)[0]},
+                call_t + MARGIN_S, f"sharing the weights of version {version}",
+            )[TRAINER]  # fmt: skip
+            entries = [shared["serialized"]] * self.tp_size  # each TP rank maps the same memory
+            tasks = {
+                server_name(i, c): lambda c=c: c.update_weights_from_tensor(
+                    entries, version, abort_all_requests=self.abort_all, timeout=call_t
+                )
+                for i, c in enumerate(self.clients)
+            }
+            run_all(tasks, call_t + MARGIN_S, f"copying the shared weights of version {version}")
+        finally:  # the servers are done with them, or failed: the trainer's memory goes back either way
+            self.trainers.call_one(0, "unshare_weights", None, call_t)
+        return {"timeperf/weight_sync": time.monotonic() - start, "weight_sync/bytes": float(shared["bytes"])}
+
+
 def make_publisher(cfg, run, trainers, clients: Sequence):
     """The publisher of ``cfg.weight_update_mode`` for a run (``run.weight_snapshot(version)`` names snapshots)."""
     timeout, interrupt = cfg.weight_update_timeout_secs, cfg.interruptible_generation
@@ -227,4 +266,6 @@ def make_publisher(cfg, run, trainers, clients: Sequence):
         tp = allocation_of(cfg).gen_tensor
         bucket = cfg.weight_update_bucket_mb * 2**20
         return BroadcastPublisher(trainers, clients, timeout, bucket, interrupt, tp_size=tp)
+    if cfg.weight_update_mode == "tensor":
+        return TensorPublisher(trainers, clients, timeout, interrupt, tp_size=allocation_of(cfg).gen_tensor)
     raise ValueError(f"unknown weight_update_mode {cfg.weight_update_mode!r}")

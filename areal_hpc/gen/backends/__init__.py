@@ -34,7 +34,7 @@ class ServerSpec:
     tp_size: int = 1  # GPUs from `device` on
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     seed: int = 0  # of the samples' random streams
-    max_running_requests: int = 64  # samples decoded together (SGLang's option)
+    max_running_requests: int = 256  # samples decoded together (SGLang's option)
     weight_version: str = "0"  # before any update
     cpu_threads: int = 1  # torch's CPU threads (roles on one machine share its cores)
     public_host: str = "127.0.0.1"  # the address clients reach it at (a child server's URL)

@@ -10,6 +10,8 @@ a route does not use are ignored, as SGLang ignores them)::
                                     "group_name", "backend", "timeout_secs" (ours; SGLang has none)}
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",
                                     "flush_cache", "abort_all_requests" (default true), "load_format"}
+    POST /update_weights_from_tensor  {"serialized_named_tensors" (one entry: weights/shared.py), "load_format"
+                                    (null), "weight_version", "flush_cache", "abort_all_requests" (default false)}
     POST /destroy_weights_update_group  {"group_name"}
     POST /abort_request             {"rid"} or {"abort_all": true}
     POST /pause_generation          {"mode": "abort" | "in_place" | "retract"}
@@ -25,6 +27,7 @@ Usage::
 
     python -m areal_hpc.gen.backends.builtin.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
         [--address-file A] [--seed S] [--max-batch-size N] [--device cpu] [--dtype float32]
+        [--mem-fraction-static F] [--context-length N]
 
 Once it serves, ``{"url", "pid"}`` is written to the address file (``gen.discovery``, tmp + rename); SIGTERM or
 SIGINT stop it cleanly (in-flight requests answer with finish reason abort) and remove that file. The gen_server
@@ -56,7 +59,7 @@ from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec
 from areal_hpc.gen.backends.builtin.engine import Engine, Request
 from areal_hpc.gen.backends.builtin.protocol import RequestError, format_output, parse_generate
-from areal_hpc.weights import FLATTENED, FieldError, ReceiverGroups, metas_from_fields
+from areal_hpc.weights import FLATTENED, FieldError, ReceiverGroups, metas_from_fields, shared
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,7 @@ class App:
             ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
             ("POST", "/init_weights_update_group"): self.init_weights_update_group,
             ("POST", "/update_weights_from_distributed"): self.update_weights_from_distributed,
+            ("POST", "/update_weights_from_tensor"): self.update_weights_from_tensor,
             ("POST", "/destroy_weights_update_group"): self.destroy_weights_update_group,
             ("POST", "/abort_request"): self.abort_request,
             ("POST", "/pause_generation"): self.pause_generation,
@@ -194,6 +198,28 @@ class App:
             return 400, {"success": False, "message": f"failed to update weights from group {name!r}: {exc}"}
         message = f"{len(metas)} tensors received from weight update group {name!r}"
         return 200, {"success": True, "message": message, "weight_version": version}
+
+    def update_weights_from_tensor(self, body: dict) -> tuple[int, Any]:
+        """Copy tensors a process of this host shares (CUDA IPC, shared memory: weights/shared.py) into the
+        model; SGLang's default keeps running requests (abort_all_requests false)."""
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
+            raise RequestError(
+                "serialized_named_tensors", "must be a list of one base64 string (one TP rank)"
+            )
+        if body.get("load_format") is not None:
+            raise RequestError("load_format", f"must be null here, got {body['load_format']!r}")
+        if body.get("disable_draft_model"):
+            raise RequestError("disable_draft_model", "this server has no draft model")
+        abort_all = _flag(body, "abort_all_requests", False)
+        _flag(body, "flush_cache", True)  # no prefix cache here: nothing to flush
+        receive = lambda: shared.deserialize(entries[0])  # noqa: E731
+        try:
+            version = self.engine.update_weights_from_tensors(receive, body.get("weight_version"), abort_all)
+        except Exception as exc:
+            log.warning("weight update from shared tensors failed: %s", exc)
+            return 400, {"success": False, "message": f"failed to update weights from tensors: {exc}"}
+        return 200, {"success": True, "message": "shared tensors copied", "weight_version": version}
 
     def destroy_weights_update_group(self, body: dict) -> tuple[int, Any]:
         name = _group_name(body)
@@ -365,6 +391,7 @@ class BuiltinServer:
         self.engine = Engine(
             spec.model_path, device=spec.device, dtype=spec.dtype, seed=spec.seed,
             max_batch_size=spec.max_running_requests, weight_version=spec.weight_version,
+            mem_fraction_static=spec.mem_fraction_static, context_length=spec.context_length,
         ).start()  # fmt: skip
         args = {k: v for k, v in dataclasses.asdict(spec).items() if k != "token_file"}
         args.update(
@@ -410,15 +437,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSpec, str | None]:
     p.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
     p.add_argument("--address-file", default=None, help="where to write {url, pid} once serving")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples' random streams")
-    p.add_argument("--max-batch-size", type=int, default=64, help="most rows decoded together")
+    p.add_argument("--max-batch-size", type=int, default=256, help="most rows decoded together")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     p.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (CPU runs share cores)")
     p.add_argument("--weight-version", default="0", help="weight_version before any update (SGLang: default)")
+    p.add_argument(
+        "--mem-fraction-static", type=float, default=0.9, help="device share for weights and KV cache"
+    )
+    p.add_argument(
+        "--context-length", type=int, default=None, help="longest prompt + answer (default: model's)"
+    )
     ns = p.parse_args(argv)
     spec = ServerSpec(
         ns.model_path, Path(ns.token_file), ns.host, ns.port, ns.device, dtype=ns.dtype, seed=ns.seed,
         max_running_requests=ns.max_batch_size, weight_version=ns.weight_version, cpu_threads=ns.num_threads,
+        mem_fraction_static=ns.mem_fraction_static, context_length=ns.context_length,
     )  # fmt: skip
     return spec, ns.address_file
 

@@ -1,0 +1,70 @@
+"""On a GPU (`make test-gpu`, marked gpu: `make test` leaves them out): the built-in engine's CUDA path, the
+colocated weight update through CUDA IPC, and a colocated GRPO run. The CPU suite covers the same logic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_hpc.gen.client import GenClient
+from areal_hpc.weights.shared import SharedWeights
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def test_engine_logprobs_graphs_and_seeds_hold_on_a_gpu():
+    """Logprobs within the bf16 tolerance of transformers', graph decode as eager, a seed repeats its tokens."""
+    done = tool("tools/gpu_check_engine.py", "--shape", "0.5b", "--rows", "32", "--tokens", "128")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_server_copies_weights_a_process_shares_from_its_gpu(tiny_model_dir, tmp_path):
+    """weight_update_mode tensor: the server opens this process's CUDA memory (IPC) and copies from it."""
+    secret, address = tmp_path / "secret", tmp_path / "address.json"
+    secret.write_text("key")
+    secret.chmod(0o600)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "areal_hpc.gen.backends.builtin.server", "--model-path", str(tiny_model_dir),
+         "--token-file", str(secret), "--address-file", str(address), "--device", "cuda", "--dtype", "float32"],
+        cwd=REPO,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        client = GenClient(json.loads(address.read_text())["url"], "key", timeout=120)
+        before = client.generate([3, 1, 4, 1, 5], GREEDY)[0]["output_ids"]
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
+        gen = torch.Generator("cuda").manual_seed(1)
+        noise = lambda p: torch.randn(p.shape, device="cuda", generator=gen)  # noqa: E731
+        shared = SharedWeights()
+        moved = [(n, p.detach() + noise(p)) for n, p in model.named_parameters()]
+        client.update_weights_from_tensor([shared.share(moved)["serialized"]], weight_version=2)
+        after = client.generate([3, 1, 4, 1, 5], GREEDY)[0]
+        assert after["output_ids"] != before and after["meta_info"]["weight_version"] == "2"
+        original = [(n, p.detach()) for n, p in model.named_parameters()]
+        client.update_weights_from_tensor([shared.share(original)["serialized"]], weight_version=3)
+        shared.release()
+        assert client.generate([3, 1, 4, 1, 5], GREEDY)[0]["output_ids"] == before
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_a_colocated_run_shares_the_gpu_and_its_weights():
+    done = tool("tools/gpu_check_colocated.py", "--steps", "2", "--shape", "0.5b")
+    assert done.returncode == 0 and "colocated check: OK" in done.stdout, done.stdout + done.stderr
