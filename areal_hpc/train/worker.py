@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from areal_hpc.config import MFCS_OF, ExperimentConfig, mfc_spec, trainer_models
 from areal_hpc.control import RunContext, WorkerServer, fsio, task_name
@@ -238,25 +241,27 @@ class TrainerHandlers:
         )
         return {"buckets": plan_payload(buckets)}
 
+    def _actor_weights_on_rank0(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The actor's full weights, gathered on every rank (a collective): rank 0 gets the stream, the others
+        drain it and get None."""
+        weights = self.engines["actor"].hf_weights()
+        if self.rank == 0:
+            return weights
+        for _ in weights:
+            pass
+        return None
+
     def broadcast_weights(self, payload: dict) -> dict:
         """Rank 0: broadcast the actor's current weights as planned, `{"bytes", "buckets", "secs"}`; other
         ranks: take part in gathering them, `{}`."""
-        weights = self.engines["actor"].hf_weights()
-        if self.rank != 0:
-            for _ in weights:
-                pass
-            return {}
-        return self.weight_sender.send(weights)
+        weights = self._actor_weights_on_rank0()
+        return {} if weights is None else self.weight_sender.send(weights)
 
     def share_weights(self, payload: Any) -> dict:
         """Rank 0: hold the actor's full weights and reply them serialized, `{"serialized", "bytes"}` (a
         CUDA IPC handle each: the servers on this rank's GPUs copy from them); other ranks: help gather, `{}`."""
-        weights = self.engines["actor"].hf_weights()
-        if self.rank != 0:
-            for _ in weights:
-                pass
-            return {}
-        return self.shared_weights.share(weights)
+        weights = self._actor_weights_on_rank0()
+        return {} if weights is None else self.shared_weights.share(weights)
 
     def unshare_weights(self, payload: Any) -> dict:
         self.shared_weights.release()
