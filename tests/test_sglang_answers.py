@@ -43,6 +43,7 @@ FINISH_TYPES = {ABORT, "stop", "length"}
 BUILTIN_OWN = {
     "/update_weights_from_disk": {"weight_version"},
     "/update_weights_from_distributed": {"weight_version"},
+    "/update_weights_from_tensor": {"weight_version"},
 }
 # The files of SGLang's source the checks below read.
 ANSWER_SOURCES = [
@@ -431,7 +432,7 @@ TM, HTTP = "managers/tokenizer_manager.py", "entrypoints/http_server.py"
         pytest.param(HTTP, 'content = {"success": success, "message": message}',
                      'content = {"ok": success, "message": message}',
                      {"/init_weights_update_group success", "/update_weights_from_distributed success",
-                      "/destroy_weights_update_group success"},
+                      "/update_weights_from_tensor success", "/destroy_weights_update_group success"},
                      id="success renamed in the group routes"),
     ],
 )  # fmt: skip

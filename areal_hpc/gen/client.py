@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 class GenServerError(RuntimeError):
     """A failed call to a generation server."""
 
-    def __init__(self, url: str, route: str, status: int | None, message: str):
-        where = f"HTTP {status}" if status is not None else "unreachable"
-        super().__init__(f"{route} on {url} failed ({where}): {message}")
-        self.url, self.route, self.status, self.message = url, route, status, message
+    def __init__(self, server: str, route: str, status: int | None, message: str):
+        why = f"HTTP {status}" if status is not None else "unreachable"
+        super().__init__(f"{route} on {server} failed ({why}): {message}")
+        self.server, self.route, self.status, self.message = server, route, status, message
 
 
 # How a connection the server closed fails the next request on it.
@@ -118,12 +118,20 @@ def admission(url: str, capacity: int) -> Admission:
 class GenClient:
     """Calls one generation server at ``url`` with the run's bearer ``token``. With a ``tokenizer``, an
     answer without ``text`` (SGLang with --skip-tokenizer-init, as AReaL launches it) gets it decoded here.
-    With a ``capacity``, /generate calls wait for admission (see the module's docstring); None: no limit."""
+    With a ``capacity``, /generate calls wait for admission (see the module's docstring); None: no limit.
+    ``name`` (a run's ``gen_server<i>``) goes into errors beside the URL."""
 
     def __init__(
-        self, url: str, token: str | None, timeout: float = 600.0, tokenizer=None, capacity: int | None = None
+        self,
+        url: str,
+        token: str | None,
+        timeout: float = 600.0,
+        tokenizer=None,
+        capacity: int | None = None,
+        name: str | None = None,
     ):
         self.url, self.token, self.timeout, self.tokenizer = url.rstrip("/"), token, timeout, tokenizer
+        self.where = f"{name} ({self.url})" if name else self.url  # how errors name the server
         self.admission = admission(self.url, capacity) if capacity is not None else None
         self._local = threading.local()  # this thread's kept-alive connection
 
@@ -287,7 +295,7 @@ class GenClient:
         result = self._call("POST", route, body, timeout)
         if not isinstance(result, dict) or not result.get("success", False):
             message = result.get("message", str(result)) if isinstance(result, dict) else str(result)
-            raise GenServerError(self.url, route, 200, message)
+            raise GenServerError(self.where, route, 200, message)
         return result
 
     def flush_cache(self) -> None:
@@ -330,7 +338,7 @@ class GenClient:
         data = json.dumps(body).encode() if body is not None else None
         status, raw = self._exchange(method, route, data, headers, timeout or self.timeout)
         if status >= 400:
-            raise GenServerError(self.url, route, status, _error_message(raw))
+            raise GenServerError(self.where, route, status, _error_message(raw))
         try:
             return json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError:
@@ -357,7 +365,7 @@ class GenClient:
                 self._drop(conn)
                 if kept and isinstance(exc, STALE):
                     continue
-                raise GenServerError(self.url, route, None, str(getattr(exc, "reason", exc))) from exc
+                raise GenServerError(self.where, route, None, str(getattr(exc, "reason", exc))) from exc
             if response.will_close:
                 self._drop(conn)
             return response.status, raw

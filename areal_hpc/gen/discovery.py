@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from areal_hpc.control import START_TIMEOUT_SECS, RunDir, fsio, poll_until
+from areal_hpc.control import START_TIMEOUT_SECS, RunDir, fsio, poll_until, task_name
 from areal_hpc.gen.client import GenClient
 
 
@@ -33,7 +33,13 @@ def clients(
     max_running_requests, which this process sends it at most)."""
     token = run.token()
     return [
-        GenClient(wait_address(run, i, timeout)["url"], token, tokenizer=tokenizer, capacity=capacity)
+        GenClient(
+            wait_address(run, i, timeout)["url"],
+            token,
+            tokenizer=tokenizer,
+            capacity=capacity,
+            name=task_name("gen_server", i),
+        )
         for i in range(n_servers)
     ]
 
