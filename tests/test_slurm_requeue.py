@@ -34,8 +34,9 @@ def easy_data(tiny_build) -> Path:
 def test_a_killed_trainer_requeues_the_hetjob_and_the_next_attempt_resumes(
     slurm_env, tmp_path, tiny_model_dir, easy_data
 ):
+    # 8 steps: the kill must land before the run ends (3 toy steps took 9 s with the kill late).
     run, (job_id,) = submit_toy(
-        tmp_path, tiny_model_dir, easy_data, "requeue", 3, *RECOVER, "exp_ctrl.ckpt_freq_steps=1"
+        tmp_path, tiny_model_dir, easy_data, "requeue", 8, *RECOVER, "exp_ctrl.ckpt_freq_steps=1"
     )
     deadline = time.monotonic() + 90
     while Checkpoints(run.recover).latest() is None:  # a step trained and checkpointed
@@ -58,7 +59,7 @@ def test_a_killed_trainer_requeues_the_hetjob_and_the_next_attempt_resumes(
     # The resume itself (controller, recover/): attempt 1 started from the checkpoint of a step, not afresh.
     start = fsio.read_json(run.start_point)
     assert start["attempt"] == 1 and start["global_step"] >= 1, start
-    assert get_status(run).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 3
+    assert get_status(run).state == "COMPLETE" and fsio.read_json(run.progress)["step"] == 8
 
 
 def test_scontrol_requeue_checkpoints_on_sigterm_and_the_requeued_run_resumes_there(

@@ -9,7 +9,7 @@ covers the same turns on the CPU.
 
 Issue 32's workload (a GRPO step of 16 prompts x 8 answers of 1,024 tokens, the 1.5B shape)::
 
-    python tools/gpu_check_colocated.py --steps 3 --shape 1.5b --group-size 8 --max-new-tokens 1024
+    python tools/gpu_check_colocated.py --steps 3 --shape 1.5b --group-size 8 --max-new-tokens 1024 --mem-fraction 0.5
 
 Samples every process's GPU memory (nvidia-smi) during the run and prints the server's: held while it
 generates, and left while the trainer trains. Exits 1 when the run fails, a step did not release and resume
