@@ -23,34 +23,10 @@ sys.path.insert(0, str(REPO))
 
 from areal_hpc.gen.backends.builtin.engine import Engine  # noqa: E402
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams  # noqa: E402
-
-SHAPES = {  # Qwen2.5: hidden, intermediate, layers, heads, kv heads, vocab, tied
-    "0.5b": (896, 4864, 24, 14, 2, 151936, True),
-    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
-    "7b": (3584, 18944, 28, 28, 4, 152064, False),
-}
+from tools.bench_gen import SHAPES, build_model  # noqa: E402
 
 # The engine's and transformers' bf16 forwards differ by kernel order only: mean |logprob difference| per token.
 MEAN_ABS_TOLERANCE = 0.05
-
-
-def build_model(shape: str, out: Path) -> Path:
-    """A random-weight Qwen2 model of a real shape, bf16, saved with save_pretrained."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    hidden, inter, layers, heads, kv, vocab, tied = SHAPES[shape]
-    config = Qwen2Config(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, rope_theta=1e6,
-        max_position_embeddings=32768, rms_norm_eps=1e-6, eos_token_id=151643, pad_token_id=151643,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    del model
-    torch.cuda.empty_cache()
-    return out
 
 
 def hf_logprobs(path: Path, prompts, outputs) -> list[torch.Tensor]:
@@ -78,7 +54,8 @@ def main() -> int:
     args = p.parse_args()
     failures, stats = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(args.shape, Path(tmp) / "model")
+        path = Path(tmp) / "model"
+        build_model(args.shape, str(path), "cuda")
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(16, 30000, (int(n),), generator=gen).tolist() for n in torch.randint(20, 200, (args.rows // 4,), generator=gen)]  # fmt: skip
         params = SamplingParams(max_new_tokens=args.tokens, n=4, sampling_seed=7, ignore_eos=True)

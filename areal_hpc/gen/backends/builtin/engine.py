@@ -141,7 +141,6 @@ class Engine:
         self.context_len = min(context, slot_len)
         self.eos_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self._sched = Scheduler(Runner(decoder, max_batch_size, slot_len), self.context_len)
-        self._decoder = decoder
         self._seeds = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: deque[Row] = deque()
@@ -154,6 +153,10 @@ class Engine:
         self._update_lock = threading.Lock()  # one weight load at a time
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
+
+    @property
+    def _decoder(self) -> Decoder:
+        return self._sched.runner.decoder
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -308,9 +311,8 @@ class Engine:
                 try:
                     self._decoder.load(str(model_path))
                 except BaseException:
-                    self._stale = (
-                        True  # a failure half way leaves no usable weights: serve none until an update
-                    )
+                    # A failure half way leaves no usable weights: serve none until an update.
+                    self._stale = True
                     raise
                 self.model_path = str(model_path)
 

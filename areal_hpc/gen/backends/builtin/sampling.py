@@ -14,7 +14,6 @@ import torch
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # at or below: greedy (SGLang treats tiny temperatures the same way)
-_MASK64 = (1 << 64) - 1
 
 
 def _signed(value: int) -> int:
