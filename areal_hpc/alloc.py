@@ -5,6 +5,10 @@ Forms (REFERENCE.md section 2):
   decoupled  `sglang.d4p1m1+d2p2m1` (either side of `+`): generation servers first, training the rest
   manual     `manual`: each MFC names its own device mesh in the config (parsed; not implemented yet)
 
+A 3D spec may add `e`, the expert-parallel size of a mixture-of-experts model (`d2p2t4e4`; default 1). It
+takes no GPUs of its own: as in AReaL, with expert-tensor size 1, a pipeline stage's d*t GPUs hold its experts
+in groups of e, so e must divide d*t. Generation servers take theirs from `sglang.ep_size` instead.
+
 `parse_allocation_mode` checks the syntax only; `resolve_allocation` places a mode on a cluster of
 n_nodes x n_gpus_per_node GPUs and checks the sizes. GPUs are numbered node-major:
 global gpu = node * n_gpus_per_node + local gpu. Inside a mesh the axes are [pipe, data, tensor] with
@@ -32,8 +36,8 @@ DEFAULT_KEY = "*"  # the per-MFC layout of every MFC not listed
 Kind = Literal["colocated", "decoupled", "manual"]
 KINDS = get_args(Kind)
 
-_AXIS_OF_LETTER = {"d": "data", "m": "tensor", "t": "tensor", "p": "pipeline"}
-_LETTER_OF_AXIS = {"data": "d", "tensor": "m (or t)", "pipeline": "p"}
+_AXIS_OF_LETTER = {"d": "data", "m": "tensor", "t": "tensor", "p": "pipeline", "e": "expert"}
+_LETTER_OF_AXIS = {"data": "d", "tensor": "m (or t)", "pipeline": "p"}  # the letters a 3D spec must give
 
 
 class AllocationError(ValueError):
@@ -53,25 +57,36 @@ def _is_uint(text: str) -> bool:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """Data, tensor and pipeline parallel sizes of one mesh."""
+    """Data, tensor and pipeline parallel sizes of one mesh, and the expert-parallel size of its MoE layers
+    (folded into the data x tensor GPUs of each pipeline stage: it adds none)."""
 
     data: int
     tensor: int
     pipeline: int
+    expert: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("data", "tensor", "pipeline"):
+        for axis in ("data", "tensor", "pipeline", "expert"):
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AllocationError(f"ParallelSpec {axis} size must be a positive integer, got {value!r}")
+        # AReaL's rule world % (p * etp * e) == 0, with expert-tensor size etp 1: an expert group lies within
+        # one pipeline stage's d*t GPUs.
+        stage = self.data * self.tensor  # the GPUs of a pipeline stage, which hold its experts
+        if stage % self.expert:
+            raise AllocationError(
+                f"3D spec {self.format()!r}: expert size {self.expert} must divide d*t = {self.data}*"
+                f"{self.tensor} = {stage}, the GPUs of a pipeline stage; give an e that divides {stage}"
+            )
 
     @property
     def world_size(self) -> int:
         return self.data * self.tensor * self.pipeline
 
     def format(self) -> str:
-        """Canonical text, letters in d, p, m order: `d4p1m2`."""
-        return f"d{self.data}p{self.pipeline}m{self.tensor}"
+        """Canonical text, letters in d, p, m order, then e when above 1: `d4p1m2`, `d4p1m2e8`."""
+        expert = f"e{self.expert}" if self.expert > 1 else ""
+        return f"d{self.data}p{self.pipeline}m{self.tensor}{expert}"
 
     def coords(self, index: int) -> tuple[int, int, int]:
         """(dp_rank, tp_rank, pp_rank) of the index-th GPU of the mesh; axes [pipe, data, tensor]."""
@@ -89,12 +104,14 @@ def _parse_spec(spec: str) -> ParallelSpec:
     if not spec:
         raise AllocationError("empty 3D spec (expected e.g. d4p1m2)")
     if not spec[0].isalpha():
-        raise AllocationError(f"3D spec {spec!r} must start with one of the letters d, m (or t), p")
+        raise AllocationError(f"3D spec {spec!r} must start with one of the letters d, m (or t), p, e")
     sizes: dict[str, int] = {}
     for letter, number in re.findall(r"([A-Za-z])([^A-Za-z]*)", spec):
         axis = _AXIS_OF_LETTER.get(letter)
         if axis is None:
-            raise AllocationError(f"unknown letter {letter!r} in 3D spec {spec!r} (use d, m or t, p)")
+            raise AllocationError(
+                f"unknown letter {letter!r} in 3D spec {spec!r} (use d, m or t, p; e optional)"
+            )
         if axis in sizes:
             raise AllocationError(f"3D spec {spec!r} gives the {axis} size twice")
         if not _is_uint(number) or int(number) < 1:
@@ -102,7 +119,8 @@ def _parse_spec(spec: str) -> ParallelSpec:
         sizes[axis] = int(number)
     missing = [_LETTER_OF_AXIS[axis] for axis in _LETTER_OF_AXIS if axis not in sizes]
     if missing:
-        raise AllocationError(f"3D spec {spec!r} lacks {' and '.join(missing)} (d, m or t, p each once)")
+        given = "d, m or t, p each once; e optional"
+        raise AllocationError(f"3D spec {spec!r} lacks {' and '.join(missing)} ({given})")
     return ParallelSpec(**sizes)
 
 
@@ -146,6 +164,9 @@ def _check_mfc_name(mfc: str, text: str) -> None:
         raise _fail(text, f"unknown MFC {mfc!r} (valid: {', '.join(MFC_NAMES)})")
 
 
+_GEN_EXPERTS = "generation servers take expert parallelism from sglang.ep_size, not from allocation_mode"
+
+
 def _mode_problem(mode: AllocationMode) -> str | None:
     """What makes a mode inconsistent, or None."""
     if mode.kind not in KINDS:
@@ -159,6 +180,8 @@ def _mode_problem(mode: AllocationMode) -> str | None:
             return "a decoupled allocation needs a generation layout"
         if mode.gen.pipeline != 1:
             return f"generation pipeline size must be 1, got p{mode.gen.pipeline}"
+        if mode.gen.expert != 1:
+            return f"generation expert size must be 1, got e{mode.gen.expert}: {_GEN_EXPERTS}"
     elif mode.gen is not None or mode.gen_backend is not None:
         return "a colocated allocation has no generation backend"
     if not mode.train:
@@ -172,6 +195,8 @@ def _mode_problem(mode: AllocationMode) -> str | None:
         return f"MFC {twice[0]!r} is given twice"
     if mode.kind == "decoupled" and "actor_gen" in keys:
         return f"actor_gen runs on the {mode.gen_backend} servers; it takes no training layout"
+    if dict(mode.train).get("actor_gen", ParallelSpec(1, 1, 1)).expert != 1:
+        return f"actor_gen's layout is that of the generation servers, which takes no e: {_GEN_EXPERTS}"
     if "actor_train" not in keys and DEFAULT_KEY not in keys:
         return (
             "no layout for actor_train: give actor_train:<3D spec> or '*:<3D spec>' for every MFC not listed"
@@ -233,7 +258,8 @@ def _parse_train(part: str) -> list[tuple[str, ParallelSpec]]:
 
 
 def format_allocation_mode(mode: AllocationMode | Allocation) -> str:
-    """Canonical text: generation part first, letters d, p, m, per-MFC keys sorted with `*` last."""
+    """Canonical text: generation part first, letters d, p, m (then e when above 1), per-MFC keys sorted with
+    `*` last."""
     if isinstance(mode, Allocation):
         mode = mode.mode
     if mode.kind == "manual":

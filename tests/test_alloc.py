@@ -318,3 +318,73 @@ def test_gpu_map_covers_every_gpu_once_with_generation_first(per_node, n_nodes, 
         assert rank.role == ("gen" if gpu < n_gen else "train")
         tp = gen_tp if gpu < n_gen else train_tp
         assert gpu - (0 if gpu < n_gen else n_gen) == rank.dp_rank * tp + rank.tp_rank
+
+
+# expert parallelism: the optional letter e
+
+
+def test_expert_letter_is_optional_adds_no_gpus_and_formats_last():
+    spec = parse_allocation_mode("d2p2t4e4").train[0][1]
+    assert spec == ParallelSpec(data=2, tensor=4, pipeline=2, expert=4) and spec.world_size == 16
+    assert format_allocation_mode(parse_allocation_mode("e8d4p1m2")) == "d4p1m2e8"
+    assert parse_allocation_mode("d4p1m2").train[0][1].expert == 1  # the default
+    assert format_allocation_mode(parse_allocation_mode("d4p1m2e1")) == "d4p1m2"  # e1 is left out
+    alloc = resolve_allocation("sglang.d4p1m1+d2p2t4e4", n_nodes=5, n_gpus_per_node=4)
+    assert (alloc.n_gen_gpus, alloc.n_train_gpus) == (4, 16)
+    assert alloc.train_spec("actor_train").expert == 4
+
+
+def test_expert_size_leaves_the_rank_layout_alone():
+    dense, moe = ParallelSpec(2, 4, 2), ParallelSpec(2, 4, 2, expert=8)
+    assert [moe.coords(i) for i in range(16)] == [dense.coords(i) for i in range(16)]
+    assert moe.rank_of(1, 3, 1) == dense.rank_of(1, 3, 1)
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("d2p1m1e4", "3D spec 'd2p1m1e4': expert size 4 must divide d*t = 2*1 = 2"),
+        ("d1p4m2e4", "expert size 4 must divide d*t = 1*2 = 2"),  # the pipeline stages do not count
+        ("d4p1m2e3", "give an e that divides 8"),
+        ("d4p1m1e2e2", "gives the expert size twice"),
+        ("d4p1m1e0", "'e' in 3D spec 'd4p1m1e0' needs a positive integer, got '0'"),
+        ("d4p1e2", "lacks m"),
+        (
+            "sglang.d4p1m1e2+d4p1m1",
+            "generation expert size must be 1, got e2: generation servers take expert parallelism from "
+            "sglang.ep_size, not from allocation_mode",
+        ),
+        ("actor_gen:d4p1m1e2,*:d4p1m1", "takes no e: generation servers take expert parallelism from"),
+    ],
+)
+def test_expert_size_errors_quote_the_string_and_give_the_numbers(text, problem):
+    with pytest.raises(AllocationError) as error:
+        parse_allocation_mode(text)
+    assert f"allocation_mode {text!r}" in str(error.value) and problem in str(error.value)
+
+
+def test_a_spec_built_in_code_checks_its_expert_size():
+    with pytest.raises(AllocationError, match="expert size must be a positive integer, got 0"):
+        ParallelSpec(2, 1, 1, expert=0)
+    with pytest.raises(AllocationError, match="expert size 3 must divide d\\*t = 2\\*2 = 4"):
+        ParallelSpec(2, 2, 1, expert=3)
+
+
+def test_colocated_servers_take_no_expert_size_from_a_training_layout_with_e():
+    alloc = resolve_allocation("d4p1m2e8", 1, 8)
+    assert alloc.train_spec("actor_train").expert == 8
+    assert alloc.server_layout.spec == ParallelSpec(4, 2, 1) and len(alloc.gen_servers()) == 4
+
+
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 4), st.data())
+def test_a_spec_with_experts_formats_and_parses_back(data_size, tensor, pipeline, data):
+    stage = data_size * tensor
+    expert = data.draw(st.sampled_from([e for e in range(1, stage + 1) if stage % e == 0]))
+    spec = ParallelSpec(data_size, tensor, pipeline, expert)
+    text = spec.format()
+    assert parse_allocation_mode(text).train == (("*", spec),)
+    assert ("e" in text) == (expert > 1) and spec.world_size == stage * pipeline
+    mode = parse_allocation_mode(
+        f"sglang.d2p1m1+actor_train:{text},*:{ParallelSpec(stage, 1, pipeline).format()}"
+    )
+    assert parse_allocation_mode(format_allocation_mode(mode)) == mode

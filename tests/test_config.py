@@ -1,6 +1,7 @@
 """The config system: YAML over the schema, typed overrides, clear errors, dump and reload."""
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.alloc import ParallelSpec
 from areal_hpc.cli import DOCS_PATH, main
 from areal_hpc.config import ConfigError, ExperimentConfig, dump_yaml, gen_backend, load_config, mfc_spec
+from areal_hpc.config.backends import megatron_model_problems, moe_experts
 from areal_hpc.config.checks import validate, walk
 from areal_hpc.config.docs import render_markdown
 
@@ -370,3 +373,85 @@ def test_a_reader_that_stops_early_gets_no_traceback():  # `areal-hpc config opt
     proc.stdout.close()  # before a line is written: every write fails
     err = proc.stderr.read()
     assert proc.wait() == 141 and err == ""
+
+
+# mixture-of-experts models: allocation_mode's e
+
+
+def moe_model(tmp_path: Path, experts: int = 8, key: str = "num_experts") -> Path:
+    """A directory with the config.json of a small Qwen3-MoE model (no weights: validation reads none)."""
+    hf = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 4,
+        "vocab_size": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        key: experts,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return tmp_path
+
+
+def test_moe_experts_reads_either_name_of_the_expert_count():
+    assert moe_experts({"model_type": "qwen3_moe", "num_experts": 128}) == 128  # Hub configs
+    assert moe_experts({"model_type": "qwen2_moe", "num_local_experts": 60}) == 60  # saved by transformers 5
+    assert moe_experts({"model_type": "qwen3"}) == 0
+
+
+def test_megatron_names_a_dense_model_or_experts_that_do_not_split():
+    dense = {"model_type": "qwen3", "num_hidden_layers": 4, "vocab_size": 1024}
+    assert megatron_model_problems(dense, ep=2) == ["e2 needs a mixture-of-experts model; qwen3 is dense"]
+    moe = {**dense, "model_type": "qwen3_moe", "num_experts": 6}
+    assert megatron_model_problems(moe, ep=4) == ["6 experts do not split evenly over expert size 4"]
+    assert megatron_model_problems(moe, ep=2) == megatron_model_problems(moe) == []
+
+
+def test_an_moe_model_on_megatron_trains_with_an_expert_size(tmp_path):
+    cfg = load_config(
+        overrides=[
+            f"actor.path={moe_model(tmp_path, key='num_local_experts')}",
+            "actor.backend=megatron",
+            "ref.backend=megatron",
+            "allocation_mode=builtin.d4p1m1+d2p1m2e4",
+        ]
+    )
+    assert mfc_spec(cfg, "actor_train") == ParallelSpec(data=2, tensor=2, pipeline=1, expert=4)
+    assert mfc_spec(cfg, "ref_inf").expert == 4
+
+
+def test_an_expert_size_needs_a_backend_with_expert_parallelism():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["allocation_mode=builtin.d4p1m1+d4p1m1e4"])
+    for model in ("actor", "ref"):  # every model on the layout, reported together
+        assert (
+            f"'allocation_mode': the training layout d4p1m1e4 has expert size 4, but {model}.backend "
+            f"'fsdp' has no expert parallelism (backends with it: megatron): give {model}.backend=megatron "
+            "for a mixture-of-experts model, or d4p1m1 without e"
+        ) in str(err.value)
+
+
+def test_an_expert_size_needs_an_moe_model_whose_experts_split(tmp_path, tiny_model_dir):
+    megatron = ["actor.backend=megatron", "ppo.kl_ctl=0", "allocation_mode=builtin.d4p1m1+d4p1m1e4"]
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[f"actor.path={tiny_model_dir}", *megatron])
+    where = f"'actor.path' ({tiny_model_dir / 'config.json'})"
+    assert f"{where}: e4 needs a mixture-of-experts model; qwen2 is dense" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[f"actor.path={moe_model(tmp_path, experts=6)}", *megatron])
+    assert (
+        f"'actor.path' ({tmp_path / 'config.json'}): 6 experts do not split evenly over expert size 4"
+        in str(err.value)
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("sglang.d4p1m1e2+d4p1m1", "generation servers take expert parallelism from sglang.ep_size"),
+        ("builtin.d4p1m1+d2p1m1e4", "expert size 4 must divide d*t = 2*1 = 2"),
+    ],
+)
+def test_an_expert_size_allocation_mode_cannot_hold_is_refused(mode, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[f"allocation_mode={mode}", "actor.backend=megatron"])
+    assert f"'allocation_mode': allocation_mode '{mode}'" in str(err.value) and message in str(err.value)

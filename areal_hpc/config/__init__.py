@@ -12,7 +12,13 @@ docs      docs/config.md and `areal-hpc config options`, rendered from the schem
 """
 
 from areal_hpc.config import extensions
-from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, Backend, megatron_model_problems
+from areal_hpc.config.backends import (
+    GEN_BACKENDS,
+    TRAIN_BACKENDS,
+    Backend,
+    megatron_model_problems,
+    moe_experts,
+)
 from areal_hpc.config.checks import (
     MFCS_OF,
     allocation_of,
@@ -47,6 +53,7 @@ __all__ = [
     "MFCS_OF",
     "TRAIN_BACKENDS",
     "megatron_model_problems",
+    "moe_experts",
     "ActorConfig",
     "Backend",
     "BehavCorrectionConfig",

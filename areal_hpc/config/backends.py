@@ -17,6 +17,10 @@ class Backend:
     tensor_parallel: bool = False
     pipeline_parallel: bool = False
     optimizer_offload: bool = False  # optimizer state kept in CPU memory (optimizer.offload)
+    expert_parallel: bool = False  # an MoE model's experts split over e ranks (allocation_mode's e)
+    router_replay: bool = (
+        False  # routes an MoE model's tokens as the generation servers did (actor.router_replay)
+    )
     value_model: bool = True  # can host the critic
     # Generation: each of a request's n answers drawn from its own stream of `sampling_seed`. SGLang ignores
     # the seed unless launched deterministic, and then gives all n answers the same one (n identical answers).
@@ -28,7 +32,11 @@ TRAIN_BACKENDS = {
     "torch": Backend("areal_hpc.train.backends.torch"),  # replicated: the baseline of bench_train
     # Issue 13 in progress: no value model yet.
     "megatron": Backend(
-        "areal_hpc.train.backends.megatron", tensor_parallel=True, pipeline_parallel=True, value_model=False
+        "areal_hpc.train.backends.megatron",
+        tensor_parallel=True,
+        pipeline_parallel=True,
+        expert_parallel=True,
+        value_model=False,
     ),
 }
 GEN_BACKENDS = {
@@ -36,12 +44,20 @@ GEN_BACKENDS = {
     "sglang": Backend("areal_hpc.gen.backends.sglang", tensor_parallel=True),  # the `sglang` extra
 }
 
-MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama")  # the HF models the megatron backend builds
+# the HF models the megatron backend builds: dense, and mixture-of-experts
+MEGATRON_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
 
 
-def megatron_model_problems(hf: dict, tp: int = 1, pp: int = 1) -> list[str]:
-    """What keeps the HF model of config.json ``hf`` from the megatron backend at tensor size ``tp`` and
-    pipeline size ``pp`` (attention heads against ``tp`` are alloc.check_model_heads' to judge)."""
+def moe_experts(hf: dict) -> int:
+    """The routed experts of the HF model of config.json ``hf``; 0 for a dense model. Hub configs of Qwen2-MoE
+    and Qwen3-MoE call them num_experts; transformers 5 saves them as num_local_experts."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def megatron_model_problems(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1) -> list[str]:
+    """What keeps the HF model of config.json ``hf`` from the megatron backend at tensor size ``tp``, pipeline
+    size ``pp`` and expert size ``ep`` (attention heads against ``tp`` are alloc.check_model_heads' to
+    judge)."""
     kind = hf.get("model_type")
     if kind not in MEGATRON_MODEL_TYPES:
         return [
@@ -60,4 +76,9 @@ def megatron_model_problems(hf: dict, tp: int = 1, pp: int = 1) -> list[str]:
         out.append(f"{hf['num_hidden_layers']} layers do not split evenly into {pp} pipeline stages")
     if hf["vocab_size"] % tp:
         out.append(f"the vocabulary ({hf['vocab_size']}) does not split evenly over tensor size {tp}")
+    experts = moe_experts(hf)
+    if ep > 1 and not experts:
+        out.append(f"e{ep} needs a mixture-of-experts model; {kind} is dense")
+    elif experts % ep:
+        out.append(f"{experts} experts do not split evenly over expert size {ep}")
     return out

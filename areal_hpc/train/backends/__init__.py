@@ -6,7 +6,8 @@ A backend is a package (config/backends.py names it, by `actor.backend`, `ref.ba
 
     fsdp      parameters, gradients and optimizer state sharded over the data-parallel ranks (the default)
     torch     the whole model on every rank, gradients summed over the data-parallel ranks
-    megatron  megatron-core: tensor, pipeline and data parallel (Engine(..., tensor=, pipeline=))
+    megatron  megatron-core: tensor, pipeline, expert and data parallel
+              (Engine(..., tensor=, pipeline=, expert=))
 """
 
 from __future__ import annotations
@@ -78,10 +79,13 @@ def make_engine(
     spec: ParallelSpec | None = None,
 ) -> TrainEngine:
     """The engine of `model_cfg.backend`; `total_train_steps` None: inference only. A backend with tensor or
-    pipeline parallelism gets their sizes from `spec` (the trainer's layout; None: 1 and 1)."""
+    pipeline parallelism gets their sizes from `spec` (the trainer's layout; None: 1 and 1), and one with
+    expert parallelism the expert size too."""
     backend = TRAIN_BACKENDS[model_cfg.backend]
     module = importlib.import_module(backend.module)
     kwargs = {}
     if spec is not None and (backend.tensor_parallel or backend.pipeline_parallel):
         kwargs = {"tensor": spec.tensor, "pipeline": spec.pipeline}
+    if spec is not None and backend.expert_parallel:
+        kwargs["expert"] = spec.expert
     return module.Engine(model_cfg, total_train_steps, seed, critic=critic, **kwargs)
