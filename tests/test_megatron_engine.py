@@ -171,12 +171,13 @@ def _recover_rank(rank: int, layout: str, phase: str, cfg, folder: str, out: str
         dist.destroy()
 
 
-@pytest.mark.parametrize("layout", ["d1p1m2", "d2p1m1"])
-def test_a_recover_checkpoint_resumes_the_same_layout_bit_for_bit(toy, tmp_path, layout):
+@pytest.mark.parametrize("layout", ["d1p1m2", "d2p1m1", "d2p1m1e2"])
+def test_a_recover_checkpoint_resumes_the_same_layout_bit_for_bit(toy, tmp_path, layout, request):
+    moe = [f"actor.path={request.getfixturevalue('tiny_moe_dir')}"] if "e" in layout else []  # experts split
     cfg = toy.config(
         "megatron-recover", 4, "actor.backend=megatron", f"allocation_mode=builtin.d1p1m1+{layout}",
         "cluster.n_nodes=1", "cluster.n_gpus_per_node=3", "actor.dtype=float32",
-        "actor.optimizer.warmup_steps_proportion=0",
+        "actor.optimizer.warmup_steps_proportion=0", *moe,
     )  # fmt: skip
     folder = tmp_path / "ckpt"
     for phase in ("save", "load"):

@@ -8,6 +8,10 @@ dense bf16 peak), padding fraction of the computed tokens, peak GPU memory; for 
 offload the step time; for ``--checkpoint`` the time a recover checkpoint blocks training and its bytes.
 
     python tools/bench_train.py --device cuda [--shapes 1.5b,3b] [--offload-7b] [--checkpoint 3b] [--write-threads 4,8]
+    python tools/bench_train.py --device cuda --shapes 3b,30b-a3b --moe-layers 8 --variants megatron:nockpt
+
+The mixture-of-experts shape is Qwen3-30B-A3B's (128 experts, top 8) with ``--moe-layers`` of its 48 layers, so that
+it fits one GPU; its MFU counts the active parameters (the routed experts' top 8 of 128, everything else).
     python tools/bench_train.py            # CPU: a small shape on 1, 2 and 4 gloo ranks, optimizer bytes
 
 Prints one JSON line per measurement, then a summary of ratios against the baseline.
@@ -46,27 +50,48 @@ SHAPES = {  # Qwen2.5 configs: hidden, intermediate, layers, heads, kv heads, ti
     "7b": (3584, 18944, 28, 28, 4, False),
     "cpu": (256, 704, 4, 4, 2, True),  # the CPU's small shape
 }
+# Qwen3-MoE configs: hidden, attention heads, kv heads, head dim, experts, top k, expert intermediate size
+MOE_SHAPES = {"30b-a3b": (2048, 32, 4, 128, 128, 8, 768)}
 MAX_TOKENS_PER_MB = 16384
 
 
-def build_model(shape: str, out: Path, device: str, vocab: int = VOCAB) -> int:
-    """A random-weight Qwen2 of ``shape`` saved (bf16) in ``out``; returns its parameter count."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def model_config(shape: str, vocab: int = VOCAB, moe_layers: int = 8):
+    """The transformers config of ``shape``: a Qwen2.5 of SHAPES or a Qwen3-MoE of MOE_SHAPES."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
+    if shape in MOE_SHAPES:
+        hidden, heads, kv, head, experts, top, inner = MOE_SHAPES[shape]
+        return Qwen3MoeConfig(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=moe_layers, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=head, num_experts=experts, num_experts_per_tok=top,
+            moe_intermediate_size=inner, intermediate_size=6144, norm_topk_prob=True, tie_word_embeddings=False,
+            max_position_embeddings=32768, rope_theta=1e6, torch_dtype="bfloat16",
+        )  # fmt: skip
     hidden, inter, layers, heads, kv, tied = SHAPES[shape]
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
         max_position_embeddings=32768, rope_theta=1e6, torch_dtype="bfloat16",
     )  # fmt: skip
+
+
+def build_model(shape: str, out: Path, device: str, vocab: int = VOCAB, moe_layers: int = 8) -> int:
+    """A random-weight model of ``shape`` saved (bf16) in ``out``; returns the parameters a token goes
+    through (all of them for a dense model; for a MoE model the top k of the routed experts)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(shape, vocab, moe_layers)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
+    if shape in MOE_SHAPES:
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        n -= experts * (1 - config.num_experts_per_tok / config.num_experts)
     del model
     torch.cuda.empty_cache() if device == "cuda" else None
-    return n
+    return int(n)
 
 
 def workload(
@@ -80,9 +105,14 @@ def workload(
     return {"cu_seqlens": cu, "packed_input_ids": rng.integers(0, vocab, cu[-1])}
 
 
-def model_flops(n_params: int, shape: str, lengths: np.ndarray) -> float:
-    """FLOPs of forward + backward: 6 N per token, plus causal attention's 6 h L s^2 per sequence."""
-    hidden, _, layers, *_ = SHAPES[shape]
+def model_flops(n_params: int, shape: str, lengths: np.ndarray, moe_layers: int = 8) -> float:
+    """FLOPs of forward + backward: 6 N per token, plus causal attention's 6 h L s^2 per sequence (h: the
+    attention's width)."""
+    if shape in MOE_SHAPES:
+        _, heads, _, head, *_ = MOE_SHAPES[shape]
+        hidden, layers = heads * head, moe_layers
+    else:
+        hidden, _, layers, *_ = SHAPES[shape]
     return 6.0 * n_params * lengths.sum() + 6.0 * hidden * layers * float(
         (lengths.astype(np.float64) ** 2).sum()
     )
@@ -103,13 +133,15 @@ def loss_fn(out: dict, mb: dict) -> torch.Tensor:
 
 def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: bool, offload: bool = False,
                steps: int = 2, checkpoint_dir: Path | None = None, write_threads: tuple[int, ...] = (4,),
-               publish: bool = False, profile: bool = False) -> dict:  # fmt: skip
+               publish: bool = False, profile: bool = False, moe_layers: int = 8) -> dict:  # fmt: skip
     """Warm up with one step, then time ``steps`` optimizer steps over the workload."""
     cfg = TrainedModelConfig(
         path=str(model_dir), backend=backend, dtype="bfloat16", gradient_checkpointing=ckpt,
         optimizer=OptimizerConfig(lr=1e-6, warmup_steps_proportion=0.0, offload=offload),
     )  # fmt: skip
     row = {"shape": shape, "backend": backend, "gradient_checkpointing": ckpt, "offload": offload}
+    if shape in MOE_SHAPES:
+        row.update(layers=moe_layers, active_params=n_params)
     torch.cuda.reset_peak_memory_stats()
     engine = make_engine(cfg, total_train_steps=100)
     batch = workload()
@@ -132,7 +164,7 @@ def train_once(model_dir: Path, shape: str, n_params: int, backend: str, ckpt: b
     tokens = int(lengths.sum())
     row.update({
         "tokens": tokens, "step_s": round(secs, 3), "tokens_per_s": round(tokens / secs),
-        "mfu": round(model_flops(n_params, shape, lengths) / secs / PEAK_FLOPS, 4),
+        "mfu": round(model_flops(n_params, shape, lengths, moe_layers) / secs / PEAK_FLOPS, 4),
         "padding": round(padding_fraction(backend, lengths.tolist(), spec), 3), "peak_gib": round(peak, 1),
     })  # fmt: skip
     if checkpoint_dir is not None:
@@ -324,14 +356,15 @@ def cuda_main(args: argparse.Namespace) -> list[dict]:
     try:
         for shape in [s for s in args.shapes.split(",") if s]:
             model_dir = work / shape
-            n = build_model(shape, model_dir, "cuda")
+            n = build_model(shape, model_dir, "cuda", moe_layers=args.moe_layers)
             ckpt_dir = work / "ckpt" if shape == args.checkpoint else None
             runs = [v.split(":") for v in args.variants.split(",")]
             for backend, ckpt in runs:
                 timed = ckpt_dir if backend == "fsdp" and (backend, ckpt) == tuple(runs[-1]) else None
                 rows.append(train_once(model_dir, shape, n, backend, ckpt == "ckpt", checkpoint_dir=timed,
                                        write_threads=tuple(int(t) for t in args.write_threads.split(",")),
-                                       publish=args.publish, profile=args.profile))  # fmt: skip
+                                       publish=args.publish, profile=args.profile,
+                                       moe_layers=args.moe_layers))  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(model_dir)
         if args.offload_7b:
@@ -384,7 +417,13 @@ def cpu_main(args: argparse.Namespace) -> list[dict]:
 def summary(rows: list[dict]) -> None:
     rows = [r for r in rows if "shape" in r]
     by = {(r["shape"], r["backend"], r.get("gradient_checkpointing"), r.get("ranks")): r for r in rows}
+    dense = [r for r in rows if r["shape"] in SHAPES and "mfu" in r]
     for r in rows:
+        if r["shape"] in MOE_SHAPES and "mfu" in r and dense:
+            d = dense[-1]
+            print(f"{r['shape']} ({r['layers']} layers) {r['backend']}: {r['tokens_per_s']} tokens/s, MFU "
+                  f"{r['mfu']:.1%} on {r['active_params'] / 1e9:.2f}B active parameters, peak {r['peak_gib']} GiB; "
+                  f"{r['mfu'] / d['mfu']:.2f}x the MFU of the {d['shape']} shape's {d['backend']} run ({d['mfu']:.1%})")  # fmt: skip
         base = by.get((r["shape"], "torch", True, None))
         fsdp = by.get((r["shape"], "fsdp", r.get("gradient_checkpointing"), None))
         if r["backend"] == "megatron" and fsdp and "tokens_per_s" in r and "tokens_per_s" in fsdp:
@@ -430,6 +469,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print one step's CUDA time by operator (cuda)"
     )
+    parser.add_argument("--moe-layers", type=int, default=8, help="layers of the mixture-of-experts shapes")
     parser.add_argument("--skip-checks", action="store_true", help="no attention and LM-head checks (cuda)")
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON lines")
     args = parser.parse_args()

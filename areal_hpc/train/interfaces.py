@@ -218,6 +218,8 @@ def _train_minibatches(
         step = engine.train_minibatch(mbs, make_loss_fn(totals), temperature)
         tracker.mean("grad_norm", step["grad_norm"])
         tracker.mean("lr", step["lr"])
+        for key in sorted(step.keys() - {"loss", "grad_norm", "lr"}):  # an engine's own (megatron's moe/*)
+            tracker.mean(key, step[key])
 
 
 # --- train steps --------------------------------------------------------------------------------------------

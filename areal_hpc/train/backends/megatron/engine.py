@@ -1,4 +1,4 @@
-"""MegatronEngine: one model as a megatron-core GPTModel, tensor, pipeline and data parallel, on packed
+"""MegatronEngine: one model as a megatron-core GPTModel, tensor, pipeline, data and expert parallel, on packed
 micro-batches.
 
 - Layout: process groups over the trainer's process group (``parallel.model_groups``: Megatron's global ones, or
@@ -11,6 +11,10 @@ micro-batches.
   size > 1); gradients are SUMMED over data-parallel ranks (the losses come normalised), clipped by the
   optimizer over the whole model.
 - The LM head is ``train.head``'s, by chunks of tokens over this TP rank's slice of the vocabulary.
+- Mixture of experts (``moe``): each expert-parallel rank holds ``experts / ep`` experts of every sparse layer;
+  the ranks of an expert-parallel group exchange tokens in every sparse layer, so they run the same number of
+  micro-batches (empty ones where a rank has fewer). Sequence parallel with TP > 1: a micro-batch is padded to a
+  multiple of TP tokens, the head gathers the hidden states of the whole sequence.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -38,7 +43,7 @@ from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
-from areal_hpc.train.backends.megatron import convert
+from areal_hpc.train.backends.megatron import convert, moe
 from areal_hpc.train.backends.megatron.model import (
     PackedRope,
     build_model,
@@ -110,6 +115,7 @@ class MegatronEngine:
         critic: bool = False,
         tensor: int = 1,
         pipeline: int = 1,
+        expert: int = 1,
     ):
         if critic:
             raise NotImplementedError("the megatron backend has no value model yet: give critic.backend fsdp")
@@ -123,16 +129,19 @@ class MegatronEngine:
         self.trainable = total_train_steps is not None
         self.total_steps, self.steps_done = max(1, total_train_steps or 1), 0
         with on_device():
-            self.groups = model_groups(tensor, pipeline, self.trainable)
+            self.groups = model_groups(tensor, pipeline, self.trainable, expert, seed)
             self.layout = layout_of(self.groups)
             recompute = self.trainable and getattr(model_cfg, "gradient_checkpointing", False)
-            self.config = transformer_config(self.hf, self.dtype, tensor, pipeline, recompute)
+            self.config = transformer_config(self.hf, self.dtype, tensor, pipeline, recompute, expert)
+            self.moe = moe.MoeStats(self.hf, self.config) if self.config.num_moe_experts else None
             self.model = build_model(self.hf, self.config, self.layout, self.groups).to(self.device)
             self.load_hf(self.source_dir)
             if self.device.type == "cuda":
                 compile_pointwise(self.model)
+            if self.moe is not None:
+                self.moe.watch(self.model)
             self.tp_group, self.dp_group = self.groups.tp, self.groups.dp
-            self._views = None  # hf_weights' views of the parameters (TP and PP size 1)
+            self._views = None  # hf_weights' views of the parameters (TP, PP and EP size 1)
             self.optimizer = self.ddp = None
             if self.trainable:
                 self._make_optimizer()
@@ -202,6 +211,9 @@ class MegatronEngine:
 
     def _head(self, hidden: torch.Tensor, mb: Mapping[str, torch.Tensor], temperature: float):
         ids = mb["packed_input_ids"]
+        if self.config.sequence_parallel:  # the whole sequence (backward: this rank's part of the gradient,
+            # which the vocabulary-parallel head has already summed over the TP ranks)
+            hidden = gather_from_sequence_parallel_region(hidden, False, self.tp_group)[: len(ids)]
         logp, entropy = vocab_parallel_logprobs(
             hidden[:, 0],
             output_weight(self.model),
@@ -221,8 +233,15 @@ class MegatronEngine:
 
         def forward_step(data_iterator, net):
             mb = next(data_iterator)
-            positions, packed = packed_params(mb[CU], self.hf, self.dtype)
-            hidden = net(mb["packed_input_ids"][None], positions[None], None, packed_seq_params=packed)
+            ids, cu = mb["packed_input_ids"], mb[CU]
+            if self.config.sequence_parallel:
+                ids, cu = moe.pad_to_multiple(ids, cu, self.layout.tp)
+            mask = moe.padding_mask(len(mb["packed_input_ids"]), len(ids), self.layout)
+            positions, packed = packed_params(cu, self.hf, self.dtype)
+            hidden = net(
+                ids[None], positions[None], None, packed_seq_params=packed,
+                padding_mask=None if mask is None else mask.to(ids.device),
+            )  # fmt: skip
 
             def loss_func(last_hidden):
                 outputs = self._head(last_hidden, mb, temperature)
@@ -236,6 +255,8 @@ class MegatronEngine:
         pipeline = (
             {"p2p_communicator": P2PCommunicator(self.groups.pp, self.config)} if self.layout.pp > 1 else {}
         )
+        if self.layout.ep > 1:  # every rank of an expert-parallel group runs as many micro-batches
+            mbs = mbs + [self._empty_mb()] * (moe.most_micro_batches(len(mbs), self.groups.dp) - len(mbs))
         with on_device():
             return get_forward_backward_func(pp_size=self.layout.pp)(
                 forward_step_func=forward_step,
@@ -248,6 +269,10 @@ class MegatronEngine:
                 pg_collection=self.groups,
                 **pipeline,
             )
+
+    def _empty_mb(self) -> dict[str, torch.Tensor]:
+        """A micro-batch of one token that trains nothing (a rank without samples still joins the collectives)."""
+        return {**to_torch(EMPTY_MB, self.device), "empty": torch.ones(())}
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's ``tensor`` on every stage (in place: a broadcast over the pipeline group)."""
@@ -270,8 +295,8 @@ class MegatronEngine:
         with torch.no_grad():
             results = self._schedule(mbs, temperature, None)
         lengths = [int(mb[CU][-1]) for mb in mbs]
-        if self.layout.last:  # the outputs live on the last stage
-            flat = torch.cat([r["outputs"]["logprobs"].float() for r in results])
+        if self.layout.last:  # the outputs live on the last stage (those of padding micro-batches dropped)
+            flat = torch.cat([r["outputs"]["logprobs"].float() for r in results[: len(mbs)]])
         else:
             flat = torch.empty(sum(lengths), device=self.device)
         values = self._from_last_stage(flat).split(lengths)
@@ -293,10 +318,12 @@ class MegatronEngine:
             raise RuntimeError("this engine is inference-only (made with total_train_steps=None)")
         mbs = [to_torch(mb, self.device) for mb in micro_batches]
         if not mbs:  # a replica without samples still joins the gradient reduction and the update
-            mbs = [{**to_torch(EMPTY_MB, self.device), "empty": torch.ones(())}]
+            mbs = [self._empty_mb()]
         with on_device():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
+        if self.moe is not None:
+            self.moe.start_step(sum(int(mb[CU][-1]) for mb in mbs if "empty" not in mb), self.groups.dp)
         self.model.train()
         results = self._schedule(mbs, temperature, loss_fn)
         self.model.eval()
@@ -307,14 +334,15 @@ class MegatronEngine:
             updated, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
         self._set_lr()
-        return {"loss": float(total), "grad_norm": grad_norm if updated else math.nan, "lr": lr}
+        stats = self.moe.end_step(self.groups, len(results)) if self.moe is not None else {}
+        return {"loss": float(total), "grad_norm": grad_norm if updated else math.nan, "lr": lr, **stats}
 
     # --- weights out ------------------------------------------------------------------------------------
 
     def _exports(self) -> Iterator[tuple[int, str, convert.Param]]:
         """``(stage, param)`` of every parameter any stage exports, stage by stage: the order of both below."""
         for stage in range(self.layout.pp):
-            layout = dataclasses.replace(self.layout, pp_rank=stage)
+            layout = dataclasses.replace(self.layout, pp_rank=stage)  # experts: every rank's
             for name, param in convert.exported(self.hf, layout).items():
                 yield stage, name, param
 
@@ -328,14 +356,17 @@ class MegatronEngine:
         }
 
     def _stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's weights under their HF names: each parameter gathered over the TP ranks (with TP size 1,
-        views of the parameter)."""
+        """This stage's weights under their HF names: each parameter gathered over the TP ranks, stacked experts
+        over the expert-parallel ranks (with size 1, views of the parameter)."""
         params = dict(self.model.named_parameters())
         for name, param in convert.exported(self.hf, self.layout).items():
+            group, size = (
+                (self.groups.ep, self.layout.ep) if param.experts else (self.tp_group, self.layout.tp)
+            )
             shards = [params[name].detach()]
-            if self.layout.tp > 1:
-                shards = [torch.empty_like(shards[0]) for _ in range(self.layout.tp)]
-                torch.distributed.all_gather(shards, params[name].detach(), group=self.tp_group)
+            if size > 1:
+                shards = [torch.empty_like(shards[0]) for _ in range(size)]
+                torch.distributed.all_gather(shards, params[name].detach(), group=group)
             yield from zip(param.hf_names, convert.unshard(param, shards, self.hf), strict=True)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -344,7 +375,7 @@ class MegatronEngine:
         over the pipeline group). No rank holds more than one full parameter besides its own shards. With TP and
         PP size 1 they are views of the parameters (``_one_rank_weights``): publication then costs the buckets'
         copies."""
-        if self.layout.tp == self.layout.pp == 1:
+        if self.layout.tp == self.layout.pp == self.layout.ep == 1:
             yield from self._one_rank_weights()
         elif self.layout.pp == 1:
             yield from self._stage_weights()
@@ -403,9 +434,15 @@ class MegatronEngine:
 
     def state_dict(self) -> dict[str, RankLocal]:
         """This rank's own tensors (``RankLocal``): its weights (written by data-parallel rank 0: the replicas
-        are equal and load them from it), and its shards of the float32 master weights and Adam's state, made (zero) if no step has run yet so
-        that a load finds where to go."""
-        model = {f"{self._tag}/{n}": p.detach() for n, p in self.model.named_parameters()}
+        are equal and load them from it; split experts by expert-data-parallel rank 0 of each expert-parallel
+        rank, under names with that rank), and its shards of the float32 master weights and Adam's state, made
+        (zero) if no step has run yet so that a load finds where to go."""
+        model, experts = {}, {}
+        for name, param in self.model.named_parameters():
+            if getattr(param, "allreduce", True):
+                model[f"{self._tag}/{name}"] = param.detach()
+            else:  # experts split over expert-parallel ranks: each holds others
+                experts[f"{self._tag}-ep{self.layout.ep_rank}of{self.layout.ep}/{name}"] = param.detach()
         optimizer = {}
         for name, inner, param in self._adam_params() if self.optimizer is not None else ():
             if not inner.state.get(param):  # as torch's AdamW starts it: its first step is unchanged
@@ -418,7 +455,10 @@ class MegatronEngine:
                 optimizer[f"{name}.main"] = param.detach()
             optimizer.update({f"{name}.{k}": v for k, v in inner.state[param].items()})
         replica = self.groups.dp.rank() > 0  # loads them; data-parallel rank 0 writes them
-        return {"model": model if replica else RankLocal(model), "optimizer": RankLocal(optimizer)}
+        state = {"model": model if replica else RankLocal(model), "optimizer": RankLocal(optimizer)}
+        if experts:
+            state["experts"] = experts if self.groups.expt_dp.rank() > 0 else RankLocal(experts)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy ``state`` (``state_dict``'s names) into this rank's tensors."""

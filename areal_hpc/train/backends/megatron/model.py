@@ -1,6 +1,7 @@
-"""A megatron-core GPTModel from an HF config (Qwen2, Qwen3, LLaMA), on megatron-core's local layer spec.
+"""A megatron-core GPTModel from an HF config (Qwen2, Qwen3, LLaMA, Qwen2-MoE, Qwen3-MoE), on megatron-core's
+local layer spec.
 
-Two modules of the spec are ours:
+Three modules of the spec are ours:
 - the core attention (``PackedAttention``): the rotary embedding of each token at its position in its sequence,
   then causal attention within each packed sequence (``train.packed``), where the local spec's
   DotProductAttention takes no packed sequences (Transformer Engine's does, and it is not installed). The
@@ -8,7 +9,11 @@ Two modules of the spec are ours:
   time (a split, kernels per sequence, a cat: 7% of a 3B step on an H200); here it is one fused kernel for q
   and one for k, from tables made once per micro-batch (``PackedRope``);
 - the model's last stage returns the final hidden states (after the last norm), not logits: the LM head runs
-  in ``train.head`` chunk by chunk over this rank's slice of the vocabulary, never as ``[T, V]`` logits.
+  in ``train.head`` chunk by chunk over this rank's slice of the vocabulary, never as ``[T, V]`` logits;
+- the routed experts of a sparse layer (``experts.GroupedExperts``), behind megatron-core's router (top-k,
+  normalised as the HF model does), its all-to-all token dispatcher (dropless, tokens of any count per rank) and
+  its load-balancing and z losses. With tensor parallelism, a MoE model runs sequence parallel (megatron-core
+  requires it for training): each TP rank holds a slice of the tokens between the attention blocks.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from areal_hpc.config import megatron_model_problems
-from areal_hpc.train.backends.megatron.convert import Layout
+from areal_hpc.train.backends.megatron.convert import Layout, moe_experts, moe_layer, qkv_bias, stage_layers
+from areal_hpc.train.backends.megatron.experts import GroupedExperts
 from areal_hpc.train.head import kernel
 from areal_hpc.train.packed import causal_varlen
 
@@ -42,18 +50,48 @@ def head_dim(hf: dict[str, Any]) -> int:
     return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
 
+def moe_fields(hf: dict[str, Any], tp: int, ep: int) -> dict[str, Any]:
+    """TransformerConfig's mixture-of-experts fields of the HF config ``hf`` (none for a dense model).
+
+    - Routing: HF takes the softmax over all experts, then the top k, renormalised if ``norm_topk_prob``; the
+      top k of the logits then a softmax over them (``pre_softmax`` False) is the same renormalised choice.
+    - Losses: HF's load-balancing loss is one switch loss over every layer's tokens together, Megatron's one
+      per layer, summed: the coefficient per layer is HF's divided by the sparse layers, the same scale. The
+      engine sets the coefficients per step (``MegatronEngine._aux_coefficients``).
+    """
+    n_experts = moe_experts(hf)
+    if not n_experts:
+        return {}
+    pattern = [int(moe_layer(hf, i)) for i in range(hf["num_hidden_layers"])]
+    shared = hf.get("shared_expert_intermediate_size")
+    return dict(
+        num_moe_experts=n_experts,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_layer_freq=pattern,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="alltoall",  # takes micro-batches of any token count on each rank
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=tp > 1,
+    )
+
+
 def transformer_config(
-    hf: dict[str, Any], dtype: torch.dtype, tp: int = 1, pp: int = 1, recompute: bool = False
+    hf: dict[str, Any], dtype: torch.dtype, tp: int = 1, pp: int = 1, recompute: bool = False, ep: int = 1
 ) -> TransformerConfig:
-    """Megatron's config of the HF model ``hf`` (its config.json) at tensor size ``tp`` and pipeline size ``pp``.
+    """Megatron's config of the HF model ``hf`` (its config.json) at tensor size ``tp``, pipeline size ``pp`` and
+    expert size ``ep``.
 
     Parameters are created empty (the weights come from the HF checkpoint); fused kernels only on CUDA.
     """
-    problems = megatron_model_problems(hf, tp, pp)
+    problems = megatron_model_problems(hf, tp, pp, ep)
     if problems:
         raise ValueError("; ".join(problems))
     cuda = torch.cuda.is_available()
-    qwen2 = hf["model_type"] == "qwen2"
     config = TransformerConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -66,8 +104,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=qwen2 or bool(hf.get("attention_bias")),
-        qk_layernorm=hf["model_type"] == "qwen3",
+        add_qkv_bias=qkv_bias(hf),
+        qk_layernorm=hf["model_type"] in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -88,9 +126,10 @@ def transformer_config(
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         calculate_per_token_loss=True,  # our losses come normalised: Megatron must not divide them again
+        **moe_fields(hf, tp, ep),
     )
     # Every packed micro-batch has its own length: stages send their shapes first. Set after the checks,
-    # which refuse it for a MoE dispatcher this dense model does not have.
+    # which refuse it for the all-gather MoE dispatcher (not the all-to-all one used here).
     config.variable_seq_lengths = True
     return config
 
@@ -156,15 +195,47 @@ class PackedAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
 
-def layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """The local spec (RMSNorm, SwiGLU, plain torch layers) with ``PackedAttention``."""
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built as megatron-core builds a norm, whose own wrapper refuses sequence parallelism: then
+    each TP rank normalises its own tokens and the weight's gradient is summed over the TP ranks (Megatron's
+    gradient reduction reads the ``sequence_parallel`` attribute)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(config: TransformerConfig, sparse: bool = False) -> ModuleSpec:
+    """The local spec (SwiGLU, plain torch layers) with our ``RMSNorm`` and ``PackedAttention``; a sparse
+    layer's MLP is megatron-core's MoE layer with ``GroupedExperts``."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     attention = spec.submodules.self_attention
-    submodules = dataclasses.replace(attention.submodules, core_attention=PackedAttention)
-    self_attention = dataclasses.replace(attention, submodules=submodules)
-    return dataclasses.replace(
-        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention)
+    qk_norm = RMSNorm if config.qk_layernorm else attention.submodules.q_layernorm
+    submodules = dataclasses.replace(
+        attention.submodules, core_attention=PackedAttention, q_layernorm=qk_norm, k_layernorm=qk_norm
     )
+    layer = dataclasses.replace(
+        spec.submodules,
+        input_layernorm=RMSNorm,
+        pre_mlp_layernorm=RMSNorm,
+        self_attention=dataclasses.replace(attention, submodules=submodules),
+    )
+    if sparse:
+        moe = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
+        experts = ModuleSpec(module=GroupedExperts)
+        layer = dataclasses.replace(
+            layer,
+            mlp=dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, experts=experts)),
+        )
+    return dataclasses.replace(spec, submodules=layer)
+
+
+def block_spec(hf: dict[str, Any], config: TransformerConfig, layout: Layout) -> TransformerBlockSubmodules:
+    """The layers of this pipeline stage, dense or sparse as the HF config says."""
+    dense = layer_spec(config)
+    sparse = layer_spec(config, sparse=True) if moe_experts(hf) else None
+    layers = [sparse if moe_layer(hf, i) else dense for i in stage_layers(hf["num_hidden_layers"], layout)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
 
 class HiddenGPT(GPTModel):
@@ -181,7 +252,7 @@ def build_model(
     communicating over ``groups``."""
     return HiddenGPT(
         config,
-        layer_spec(config),
+        block_spec(hf, config, layout),
         vocab_size=hf["vocab_size"],
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=layout.first,

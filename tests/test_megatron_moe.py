@@ -1,0 +1,163 @@
+"""Mixture-of-experts models in the megatron backend on CPU gloo ranks: HF <-> Megatron conversion of experts
+split over expert-parallel ranks, the model's logprobs equal to transformers' at EP=1, EP=2 and TP=2 x EP=2,
+and a training step at those layouts equal to one rank's. A Qwen2-MoE built here adds a shared expert, a dense
+layer and the load-balancing loss."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from areal_hpc.config.schema import MicroBatchSpec
+from areal_hpc.data import select
+from areal_hpc.train import dist
+from areal_hpc.train.backends.megatron import convert
+from areal_hpc.train.microbatch import micro_batches
+from tests.test_fsdp_engine import LENGTHS, alone, model_config, nll, packed
+
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2)]  # (tensor, pipeline, expert); data = 2 when expert = 2
+
+
+def hf_of(model_dir) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dir(tmp_path_factory):
+    """A random Qwen2-MoE: 8 experts, top 2 without renormalisation, a gated shared expert, layer 1 dense, the
+    load-balancing loss on."""
+    config = Qwen2MoeConfig(
+        vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+        output_router_logits=True, router_aux_loss_coef=0.01, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    path = tmp_path_factory.mktemp("qwen2-moe")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (2, 1, 4), (1, 2, 8), (2, 2, 2)])
+@pytest.mark.parametrize("model", ["tiny_moe_dir", "qwen2_moe_dir"])
+def test_hf_to_megatron_and_back_is_bit_exact(model, tp, pp, ep, request):
+    model_dir = request.getfixturevalue(model)
+    hf, weights = hf_of(model_dir), load_file(model_dir / "model.safetensors")
+    back = {}
+    for pp_rank in range(pp):
+        layouts = [[convert.Layout(tp, t, pp, pp_rank, ep, e) for t in range(tp)] for e in range(ep)]
+        ranks = [
+            [dict((n, x) for n, _, x in convert.load_shards(hf, lay, weights.__getitem__)) for lay in row]
+            for row in layouts
+        ]
+        for name, param in convert.exported(hf, layouts[0][0]).items():
+            shards = [r[0][name] for r in ranks] if param.experts else [r[name] for r in ranks[0]]
+            back.update(zip(param.hf_names, convert.unshard(param, shards, hf), strict=True))
+    assert back.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_each_expert_parallel_rank_holds_its_own_experts(tiny_moe_dir):
+    hf = hf_of(tiny_moe_dir)
+    second = convert.params_of(hf, convert.Layout(ep=4, ep_rank=1))["decoder.layers.0.mlp.experts.fc2_weight"]
+    assert second.hf_names == tuple(f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in (2, 3))
+
+
+def _rank_main(rank, world, layout, model_dir, mb_tokens, out):
+    tp, pp, ep = layout
+    torch.set_num_threads(1)
+    dist.init_distributed(rank, world, f"{out}.init", backend="gloo", timeout_s=300)
+    try:
+        from areal_hpc.train.backends.megatron.engine import MegatronEngine
+
+        engine = MegatronEngine(model_config(model_dir), 10, tensor=tp, pipeline=pp, expert=ep)
+        before = engine.logprobs(packed(), 1.0, MicroBatchSpec(max_tokens_per_mb=16))
+        replicas = world // (tp * pp)  # each data-parallel replica trains on its share of the sequences
+        mine = np.array_split(np.arange(len(LENGTHS)), replicas)[engine.groups.dp.rank()]
+        mbs = micro_batches(select(packed(), list(mine)), MicroBatchSpec(max_tokens_per_mb=mb_tokens))
+        step = engine.train_minibatch(mbs, nll)
+        after = engine.logprobs(packed(), 1.0, MicroBatchSpec(max_tokens_per_mb=16))
+        result = {"before": before, "step": step, "after": after, "weights": dict(engine.hf_weights())}
+        result["saved"] = engine.save_hf(f"{out}.saved")  # rank 0 returns the directory
+        torch.save(result, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy()
+
+
+def run(model_dir, tmp, layout, mb_tokens=20) -> list[dict]:
+    """``layout`` (tensor, pipeline, expert) on gloo ranks, two data-parallel replicas when expert > 1: every
+    rank's results."""
+    tp, pp, ep = layout
+    world = tp * pp * (2 if ep > 1 else 1)
+    prefix = str(tmp / f"tp{tp}pp{pp}ep{ep}-{mb_tokens}" / "rank")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_rank_main, args=(world, layout, str(model_dir), mb_tokens, prefix), nprocs=world)
+    return [torch.load(f"{prefix}.{r}") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_moe_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe")
+    return {layout: run(tiny_moe_dir, tmp, layout) for layout in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_logprobs_equal_the_hf_models(tiny_runs, tiny_moe_dir, layout):
+    expected = alone(tiny_moe_dir, packed(), 1.0)
+    for rank in tiny_runs[layout]:
+        torch.testing.assert_close(rank["before"], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+def test_a_training_step_with_experts_split_equals_one_ranks(tiny_runs, layout):
+    one, many = tiny_runs[1, 1, 1][0], tiny_runs[layout]
+    replicas_loss = sum(rank["step"]["loss"] for rank in many) / layout[0]  # each replica's, on each TP rank
+    assert replicas_loss == pytest.approx(one["step"]["loss"], rel=1e-6)
+    # With TP 2 (sequence parallel) the gradient norm differs from one rank's by 4e-4 (relative), though every
+    # weight after the step agrees to 1e-6 and the dense model at TP 2 with sequence parallelism agrees to 1e-6:
+    # not yet explained (issue 33's notes).
+    tolerance = 1e-5 if layout[0] == 1 else 1e-3
+    for rank in many:
+        assert rank["step"]["grad_norm"] == pytest.approx(one["step"]["grad_norm"], rel=tolerance)
+        assert rank["step"]["moe/load_imbalance"] == pytest.approx(one["step"]["moe/load_imbalance"])
+        torch.testing.assert_close(rank["after"], one["after"], atol=1e-5, rtol=0)
+        for name, tensor in rank["weights"].items():  # every rank gets every expert
+            torch.testing.assert_close(tensor, one["weights"][name], atol=1e-6, rtol=0)
+
+
+def test_save_hf_writes_every_expert_for_transformers(tiny_runs):
+    ranks = tiny_runs[2, 1, 2]
+    saved = AutoModelForCausalLM.from_pretrained(ranks[0]["saved"], dtype=torch.float32).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_runs[1, 1, 1][0]["saved"], dtype=torch.float32)
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(saved[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_shared_expert_dense_layer_and_balancing_loss_at_ep2_equal_one_rank(qwen2_moe_dir, tmp_path):
+    """One sequence per micro-batch, so that each micro-batch's balancing loss is the same on either layout."""
+    expected = alone(qwen2_moe_dir, packed(), 1.0)
+    one, *_ = run(qwen2_moe_dir, tmp_path, (1, 1, 1), mb_tokens=1)
+    many = run(qwen2_moe_dir, tmp_path, (1, 1, 2), mb_tokens=1)
+    for rank in [one, *many]:
+        torch.testing.assert_close(rank["before"], expected, atol=1e-5, rtol=0)
+    assert one["step"]["moe/load_balancing_loss"] > 0
+    assert list(k for k in one["step"] if "layer" in k) == ["moe/load_imbalance/layer0"]  # layer 1 is dense
+    assert sum(rank["step"]["loss"] for rank in many) == pytest.approx(one["step"]["loss"], rel=1e-6)
+    for rank in many:
+        for key in ("grad_norm", "moe/load_balancing_loss", "moe/load_imbalance"):
+            assert rank["step"][key] == pytest.approx(one["step"][key], rel=1e-5), key
+        torch.testing.assert_close(rank["after"], one["after"], atol=1e-5, rtol=0)
