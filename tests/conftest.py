@@ -41,6 +41,12 @@ def tiny_model_dir(tiny_build: TinyBuild) -> Path:
     return tiny_build.model_dir
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tiny_build: TinyBuild) -> Path:
+    """A Hugging Face directory holding the tiny Qwen3-MoE model (8 experts, top 2) and the same tokenizer."""
+    return tiny_build.moe_dir
+
+
 @pytest.fixture
 def plugins(monkeypatch):
     """tests/plugins (a user's code outside areal_hpc) importable here, in worker processes, and in the roles

@@ -8,6 +8,9 @@ Output layout (``--out``, default ``.cache/tiny``)::
     OUT/model/tokenizer.json          byte-level BPE trained here, Qwen2 pre-tokenization (one digit per token)
     OUT/model/tokenizer_config.json   PreTrainedTokenizerFast, Qwen chat template, eos <|im_end|>,
                                       pad <|endoftext|>
+    OUT/moe/                          tiny Qwen3MoeForCausalLM (8 experts, top 2; random init from the seed) with
+                                      the tokenizer and generation config of OUT/model; safetensors, experts
+                                      per expert on disk (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight)
     OUT/data/train.jsonl              toy arithmetic questions (tools/make_toy_data.py)
     OUT/data/test.jsonl               held-out questions, disjoint from train
     OUT/data/easy/{train,test}.jsonl  every single-digit question, split (the CPU demo's data)
@@ -18,8 +21,8 @@ Output layout (``--out``, default ``.cache/tiny``)::
     OUT/MANIFEST.json                 seed, build parameters, builder fingerprint (hash of this code and
                                       the library versions), size and sha256 of every file above
 
-``OUT/model`` is an ordinary Hugging Face directory: ``AutoTokenizer.from_pretrained`` and
-``AutoModelForCausalLM.from_pretrained`` both load it.
+``OUT/model`` and ``OUT/moe`` are ordinary Hugging Face directories: ``AutoTokenizer.from_pretrained`` and
+``AutoModelForCausalLM.from_pretrained`` both load them.
 
 Everything is built in a temporary sibling directory, the manifest is written last, and the directory is then
 renamed to OUT, so a crash never leaves a half-built OUT. A build whose OUT already holds an intact build of
@@ -58,6 +61,7 @@ from tools.make_toy_data import make_easy_splits, make_toy_splits, write_jsonl  
 from tools.make_toy_tool_data import write_tool_data  # noqa: E402
 
 MANIFEST = "MANIFEST.json"
+MODEL_DIRS = ("model", "moe")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -129,6 +133,25 @@ DEFAULT_PARAMS: dict = {
     "n_tool_test": 64,
 }
 
+# The tiny mixture of experts (OUT/moe): the dense model's vocabulary, attention and context; every layer sparse.
+MOE_PARAMS: dict = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,  # of dense layers: none here (mlp_only_layers empty, decoder_sparse_step 1)
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+    "max_position_embeddings": 2048,
+}
+
 
 class TinyBuildError(ValueError):
     """The output directory cannot be used for a tiny build."""
@@ -143,6 +166,10 @@ class TinyBuild:
     @property
     def model_dir(self) -> Path:
         return self.root / "model"
+
+    @property
+    def moe_dir(self) -> Path:
+        return self.root / "moe"
 
     @property
     def train_path(self) -> Path:
@@ -277,8 +304,7 @@ def save_tiny_model(
 ) -> None:
     """Save a randomly initialised tiny Qwen2ForCausalLM; the global torch RNG is left untouched."""
     import torch
-    import transformers
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -296,9 +322,37 @@ def save_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
+    _save_seeded(model_dir, model, eos_id, pad_id)
+
+
+def save_tiny_moe(
+    moe_dir: Path, model_dir: Path, seed: int, vocab_size: int, eos_id: int, pad_id: int
+) -> None:
+    """Save a randomly initialised tiny Qwen3MoeForCausalLM (MOE_PARAMS) beside the dense model, with copies of
+    its tokenizer files; the global torch RNG is left untouched."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size, tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos_id,
+        pad_token_id=pad_id, dtype="float32", **MOE_PARAMS,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
+    _save_seeded(moe_dir, model, eos_id, pad_id)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(model_dir / name, moe_dir / name)
+
+
+def _save_seeded(out: Path, model, eos_id: int, pad_id: int) -> None:
+    """Save ``model`` as safetensors with the generation config every tiny model shares."""
+    import transformers
+    from transformers import GenerationConfig
+
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     transformers.logging.disable_progress_bar()  # the one-shard "Writing model shards" bar is only noise
-    model.save_pretrained(model_dir, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
 
 
 def builder_fingerprint() -> str:
@@ -340,7 +394,9 @@ def is_complete(root: Path, seed: int, params: dict | None = None) -> bool:
     if manifest is None or any(manifest.get(key) != value for key, value in wanted.items()):
         return False
     files = manifest.get("files", {})
-    return bool(files) and all(
+    # Every model directory must be listed: a manifest of a build without OUT/moe is no complete build.
+    models = all(f"{folder}/config.json" in files for folder in MODEL_DIRS)
+    return models and all(
         (root / name).is_file() and _file_digest(root / name) == digest for name, digest in files.items()
     )
 
@@ -362,14 +418,13 @@ def _build_into(root: Path, seed: int, params: dict) -> None:
     tokenizer.save(str(model_dir / "tokenizer.json"))
     config = tokenizer_config(params["max_position_embeddings"])
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_tiny_model(
-        model_dir,
-        seed,
-        params,
-        vocab_size=tokenizer.get_vocab_size(),
-        eos_id=tokenizer.token_to_id(IM_END),
-        pad_id=tokenizer.token_to_id(ENDOFTEXT),
-    )
+    ids = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "eos_id": tokenizer.token_to_id(IM_END),
+        "pad_id": tokenizer.token_to_id(ENDOFTEXT),
+    }
+    save_tiny_model(model_dir, seed, params, **ids)
+    save_tiny_moe(root / "moe", model_dir, seed, **ids)
     (root / MANIFEST).write_text(json.dumps(_manifest(root, seed, params), indent=2, sort_keys=True) + "\n")
 
 

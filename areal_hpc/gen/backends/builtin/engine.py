@@ -6,7 +6,7 @@ model are only ever touched by that thread. Each sample of a request is a row wi
 (``sampling_seed`` + sample index, or a seed drawn from the server's seeded generator at submission), so a
 sample does not depend on which requests it was batched with. The pieces: ``scheduler`` (rows and slots),
 ``runner`` (prefill and decode steps, CUDA graphs), ``cache`` (the KV cache), ``model`` (the decoder's
-weights and forward) and ``sampling``.
+weights and forward; ``moe`` the experts of a mixture), ``sampling`` and ``loading`` (tokenizer, EOS ids).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig
 
 from areal_hpc.control import MANIFEST, verify_snapshot
 from areal_hpc.gen.backends.builtin import cache
+from areal_hpc.gen.backends.builtin.loading import eos_token_ids, load_tokenizer, resolve_dtype
 from areal_hpc.gen.backends.builtin.model import Decoder, Shape
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
 from areal_hpc.gen.backends.builtin.runner import Runner
@@ -52,6 +54,7 @@ class Output:
     weight_version: str
     latency: float
     skip_special_tokens: bool
+    routed_experts: np.ndarray | None = None  # [prompt + output - 1, layers, k] int32, when asked for
 
 
 class Request:
@@ -70,39 +73,6 @@ class Request:
         return self.outputs
 
 
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """``float32`` on CPU and ``bfloat16`` on GPU unless a dtype name is given."""
-    if name in (None, "auto"):
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
-    return dtype
-
-
-def load_tokenizer(path: str):
-    """The tokenizer at ``path``, or None (then only input_ids are accepted and no text is returned)."""
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        log.warning("no tokenizer at %s (%s): text input and output disabled", path, exc)
-        return None
-
-
-def eos_token_ids(path: str, config, tokenizer) -> frozenset[int]:
-    """Every EOS id the model's configs or the tokenizer name."""
-    try:
-        generation = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json
-        generation = None
-    ids: set[int] = set()
-    for value in (generation, config.eos_token_id):
-        ids.update(value if isinstance(value, list) else [] if value is None else [value])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
 class Engine:
     """Batched sampler behind the built-in server; see the module docstring for the threading contract."""
 
@@ -118,6 +88,7 @@ class Engine:
         weight_version: str = "0",
         mem_fraction_static: float = 0.9,
         context_length: int | None = None,
+        return_routed_experts: bool = False,
     ):
         self.model_path, self.tokenizer_path = str(model_path), str(tokenizer_path or model_path)
         self.device = torch.device(device)
@@ -140,7 +111,10 @@ class Engine:
         )
         self.context_len = min(context, slot_len)
         self.eos_ids = eos_token_ids(self.model_path, config, self.tokenizer)
-        self._sched = Scheduler(Runner(decoder, max_batch_size, slot_len), self.context_len)
+        # SGLang's --enable-return-routed-experts: every forward records the experts chosen (a dense model: error).
+        self.records_routed = return_routed_experts
+        runner = Runner(decoder, max_batch_size, slot_len, record=return_routed_experts)
+        self._sched = Scheduler(runner, self.context_len)
         self._seeds = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: deque[Row] = deque()
@@ -185,8 +159,11 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------------
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str | None = None) -> Request:
-        """Queue ``prompts`` x ``params.n`` rows under one request id; RequestError names a bad field."""
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, rid: str | None = None, routed: bool = False
+    ) -> Request:
+        """Queue ``prompts`` x ``params.n`` rows under one request id; RequestError names a bad field. ``routed``:
+        return each sample's routed experts (only when the engine records them, as SGLang ignores it else)."""
         if not prompts or not all(prompts):
             raise RequestError("input_ids", "missing input: every prompt needs at least one token")
         for i, prompt in enumerate(prompts):
@@ -205,8 +182,9 @@ class Engine:
             rid = rid or uuid.uuid4().hex
             if rid in self._requests:
                 raise RequestError("rid", f"{rid!r} is already in use by an unfinished request")
+            keep = routed and self.records_routed
             rows = [
-                Row(prompt, params, stop_ids, self._row_seed(params, k))
+                Row(prompt, params, stop_ids, self._row_seed(params, k), routed=[] if keep else None)
                 for k, prompt in enumerate(p for p in prompts for _ in range(params.n))
             ]
             request = Request(rid, rows)
@@ -481,6 +459,7 @@ class Engine:
                 weight_version=self.weight_version,
                 latency=latency,
                 skip_special_tokens=row.params.skip_special_tokens,
+                routed_experts=_routed_experts(row),
             )
             for i, row in enumerate(request.rows)
         ]
@@ -505,6 +484,14 @@ class Engine:
                 "stats": dict(self._sched.stats),
                 "slot_len": self._sched.runner.slot_len,
             }
+
+
+def _routed_experts(row: Row) -> np.ndarray | None:
+    """The experts chosen for every token a forward took: the prompt and each output but the last (SGLang's
+    shape); None when not asked for, or when the row never ran."""
+    if not row.routed:
+        return None
+    return np.concatenate(row.routed)[: len(row.prompt) + len(row.output_ids) - 1]
 
 
 def _memory_tags(tags: list[str] | None) -> list[str]:

@@ -1,4 +1,5 @@
-"""The decoder the engine runs: Qwen2, Qwen3 and Llama from their Hugging Face configs and safetensors.
+"""The decoder the engine runs: Qwen2, Qwen3, Llama, Qwen2-MoE and Qwen3-MoE from their Hugging Face configs
+and safetensors (the experts of the mixtures: ``moe.py``).
 
 The weights live in a few fused tensors per layer (q/k/v in one, gate/up in one: one matrix product each), and
 every Hugging Face name is a view into them, so a weight update by name writes straight into what a captured
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from areal_hpc.gen.backends.builtin.moe import Experts, MoeShape, layer_shapes, layer_views
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -37,12 +40,17 @@ def arch_of(config) -> Arch:
         raise ValueError(f"the built-in generation server supports full-attention models only, got {kind}")
     if kind == "qwen2":
         return Arch(qkv_bias=True, o_bias=False, qk_norm=False)
-    if kind in ("qwen3", "llama"):
+    if kind == "qwen2_moe":
+        return Arch(qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False, qk_norm=False)
+    if kind in ("qwen3", "llama", "qwen3_moe"):
         if getattr(config, "mlp_bias", False):
             raise ValueError(f"{kind} with mlp_bias is not supported by the built-in generation server")
         bias = bool(getattr(config, "attention_bias", False))
-        return Arch(qkv_bias=bias, o_bias=bias, qk_norm=kind == "qwen3")
-    raise ValueError(f"the built-in generation server runs qwen2, qwen3 and llama models, not {kind!r}")
+        return Arch(qkv_bias=bias, o_bias=bias, qk_norm=kind != "llama")
+    raise ValueError(
+        f"the built-in generation server runs qwen2, qwen3 and llama models, not {kind!r} "
+        "(and of mixtures of experts, qwen2_moe and qwen3_moe)"
+    )
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class Shape:
     vocab: int
     eps: float
     tied: bool
+    moe: MoeShape | None = None  # None: a dense model
 
     @classmethod
     def of(cls, config) -> Shape:
@@ -63,8 +72,12 @@ class Shape:
         return cls(
             config.hidden_size, config.intermediate_size, config.num_hidden_layers,
             config.num_attention_heads, config.num_key_value_heads, head_dim, config.vocab_size,
-            config.rms_norm_eps, bool(getattr(config, "tie_word_embeddings", False)),
+            config.rms_norm_eps, bool(getattr(config, "tie_word_embeddings", False)), MoeShape.of(config),
         )  # fmt: skip
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.sparse[layer]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -134,6 +147,10 @@ class Decoder:
         cos, sin = rope_tables(config, config.max_position_embeddings, device, dtype)
         self.cos, self.sin = cos, sin
         self._norm, self._rope, self._add_norm, self._silu_mul = _kernels(device)
+        moe = self.shape.moe
+        # Eager silu_mul for the experts: they call it with many shapes (and sizes 1, which torch.compile
+        # specialises on), so a compiled one would recompile past its limit.
+        self.experts = Experts(moe, self.shape.hidden, device, dtype, silu_mul) if moe else None
 
     @classmethod
     def from_pretrained(cls, path: str, device: torch.device, dtype: torch.dtype) -> Decoder:
@@ -151,10 +168,15 @@ class Decoder:
             shapes["lm_head"] = (s.vocab, s.hidden)
         for i in range(s.layers):
             layer = {
-                "in_norm": (s.hidden,), "qkv": (q + 2 * kv, s.hidden), "o": (s.hidden, q),
-                "post_norm": (s.hidden,), "gate_up": (2 * s.intermediate, s.hidden),
-                "down": (s.hidden, s.intermediate),
-            }  # fmt: skip
+                "in_norm": (s.hidden,),
+                "qkv": (q + 2 * kv, s.hidden),
+                "o": (s.hidden, q),
+                "post_norm": (s.hidden,),
+            }
+            if s.sparse(i):
+                layer |= layer_shapes(s.moe, s.hidden)
+            else:
+                layer |= {"gate_up": (2 * s.intermediate, s.hidden), "down": (s.hidden, s.intermediate)}
             if a.qkv_bias:
                 layer["qkv_bias"] = (q + 2 * kv,)
             if a.o_bias:
@@ -167,19 +189,20 @@ class Decoder:
     def allocate(self) -> None:
         """(Re)take the weights' memory; their values are undefined until ``load`` or a copy by name."""
         self.params = {n: torch.empty(shape, device=self.device, dtype=self.dtype) for n, shape in self._shapes().items()}  # fmt: skip
-        self._named = None
+        self._named, self._covers = None, {}
 
     def release(self) -> None:
         """Give the weights' memory back (``allocate`` takes it again)."""
         self.params = {n: torch.empty(0, device=self.device, dtype=self.dtype) for n in self.params}
-        self._named = None
+        self._named, self._covers = None, {}
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.params.values())
 
     def named(self) -> dict[str, torch.Tensor]:
-        """Hugging Face name -> a view into the fused weights (tied names share the embedding)."""
+        """Hugging Face name -> a view into the fused weights (tied names share the embedding; experts come
+        under their per-expert names and under the fused names of transformers' state dict)."""
         if self._named is None:
             self._named = self._views()
         return self._named
@@ -191,10 +214,17 @@ class Decoder:
         views["lm_head.weight"] = p["embed"] if s.tied else p["lm_head"]
         for i in range(s.layers):
             at, mlp, pre = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"{i}."
-            qkv, gate_up = p[pre + "qkv"].split([q, kv, kv]), p[pre + "gate_up"].chunk(2)
+            qkv = p[pre + "qkv"].split([q, kv, kv])
             views |= {at + f"{n}_proj.weight": t for n, t in zip("qkv", qkv, strict=True)}
-            views |= {at + "o_proj.weight": p[pre + "o"], mlp + "down_proj.weight": p[pre + "down"]}
-            views |= {mlp + "gate_proj.weight": gate_up[0], mlp + "up_proj.weight": gate_up[1]}
+            views[at + "o_proj.weight"] = p[pre + "o"]
+            if s.sparse(i):
+                experts, covers = layer_views(s.moe, p, pre, mlp)
+                views |= experts
+                self._covers |= covers
+            else:
+                gate_up = p[pre + "gate_up"].chunk(2)
+                views |= {mlp + "gate_proj.weight": gate_up[0], mlp + "up_proj.weight": gate_up[1]}
+                views[mlp + "down_proj.weight"] = p[pre + "down"]
             views[f"model.layers.{i}.input_layernorm.weight"] = p[pre + "in_norm"]
             views[f"model.layers.{i}.post_attention_layernorm.weight"] = p[pre + "post_norm"]
             if self.arch.qkv_bias:
@@ -222,7 +252,7 @@ class Decoder:
                     if shape != tuple(named[name].shape):
                         raise ValueError(f"{file.name}: {name} has shape {shape}, the model's is {tuple(named[name].shape)}")  # fmt: skip
                     seen[name] = file
-        missing = sorted(set(named) - set(seen) - ({"lm_head.weight"} if self.shape.tied else set()))
+        missing = sorted(self._required() - set(seen) - {n for f in seen for n in self._covers.get(f, ())})
         if missing:
             raise KeyError(f"{path}: no weights for {missing[:5]} ({len(missing)} missing)")
         with torch.no_grad():
@@ -231,13 +261,22 @@ class Decoder:
                     for name in f.keys():  # noqa: SIM118
                         named[name].copy_(f.get_tensor(name))
 
+    def _required(self) -> set[str]:
+        """The names a checkpoint must hold: all but the tied head and the fused names of the experts (a
+        checkpoint holds the per-expert names, or a fused name that covers them)."""
+        named = self.named()
+        return set(named) - set(self._covers) - ({"lm_head.weight"} if self.shape.tied else set())
+
     # --- forward -------------------------------------------------------------------------------------------
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, last: torch.Tensor | None = None
-    ):
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, last: torch.Tensor | None = None,
+        static: bool = False, record: torch.Tensor | None = None,
+    ):  # fmt: skip
         """Logits [T or len(last), V] of packed tokens ``ids`` [T] at ``positions`` [T]; ``last`` picks the
-        tokens whose logits are wanted (a prefill's last prompt tokens)."""
+        tokens whose logits are wanted (a prefill's last prompt tokens). ``static``: fixed shapes and no host
+        sync (a decode step, CUDA graphs); ``record`` [T, layers, k] (int32) takes each sparse layer's choice of
+        experts."""
         s, p = self.shape, self.params
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
         norm, add_norm = self._norm, self._add_norm
@@ -255,7 +294,10 @@ class Decoder:
             out = attend(i, q, k, v.view(-1, s.kv_heads, s.head_dim))
             out = F.linear(out.reshape(-1, q_size), p[pre + "o"], p.get(pre + "o_bias"))
             x, h = add_norm(x, out, p[pre + "post_norm"], s.eps)
-            delta = F.linear(self._silu_mul(F.linear(h, p[pre + "gate_up"])), p[pre + "down"])
+            if s.sparse(i):
+                delta = self.experts.forward(p, pre, h, static, None if record is None else record[:, i])
+            else:
+                delta = F.linear(self._silu_mul(F.linear(h, p[pre + "gate_up"])), p[pre + "down"])
             # The residual sum and the next norm (the next layer's input norm, or the final one) in one.
             x, h = add_norm(x, delta, p[f"{i + 1}.in_norm"] if i + 1 < s.layers else p["norm"], s.eps)
         if last is not None:

@@ -7,9 +7,12 @@ fields it does not use are ignored, as SGLang ignores them.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 class RequestError(ValueError):
@@ -126,6 +129,7 @@ class GenerateInput:
     params: SamplingParams
     return_logprob: bool
     return_text_in_logprobs: bool
+    return_routed_experts: bool  # honoured only by a server that records them (SGLang's contract)
     batched: bool  # answer with a list (a list of prompts, or n > 1) rather than one object
 
 
@@ -146,6 +150,7 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]] | None) -> Gene
         params=params,
         return_logprob=f.boolean("return_logprob", False),
         return_text_in_logprobs=f.boolean("return_text_in_logprobs", False),
+        return_routed_experts=f.boolean("return_routed_experts", False),
         batched=listed or params.n > 1,
     )
 
@@ -207,4 +212,13 @@ def format_output(
             [lp, tok, decode([tok], False) if (return_text_in_logprobs and decode) else None]
             for lp, tok in zip(out.logprobs, out.output_ids, strict=True)
         ]
+    routed = getattr(out, "routed_experts", None)
+    if routed is not None:
+        meta["routed_experts"] = encode_routed_experts(routed)
     return {"text": decode(text_ids, skip) if decode else "", "output_ids": out.output_ids, "meta_info": meta}
+
+
+def encode_routed_experts(routed: np.ndarray) -> str:
+    """SGLang's wire form of a sample's routed experts [tokens, layers, k]: base64 of the int32 array, little
+    endian, flattened (the client reshapes it: it knows the layers and k)."""
+    return base64.b64encode(routed.astype("<i4").tobytes()).decode("ascii")

@@ -7,6 +7,10 @@ kernel (torch's own op): each slot attends over its own length of the static cac
 reads only the keys it needs and never pads. Elsewhere it is torch SDPA with a length mask. The step's tokens
 and logprobs come back through a pinned buffer, copied asynchronously: the host reads a step's results while
 the device runs the next one.
+
+With routed-expert recording on (a mixture of experts), every forward also writes each token's chosen experts,
+[tokens, layers, k] (zeros on dense layers), into a device buffer: a decode step's come back with its tokens, a
+prefill's with its results.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,22 +66,38 @@ def flash_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 @dataclass
 class Fetched:
-    """A decode step's tokens and logprobs, on their way to the host (``event`` set once they are there)."""
+    """A decode step's tokens and logprobs, on their way to the host (``event`` set once they are there), and
+    with recording on each slot's routed experts [slots, layers, k]."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     event: torch.cuda.Event | None
+    routed: torch.Tensor | None = None
 
     def lists(self) -> tuple[list[int], list[float]]:
         if self.event is not None:
             self.event.synchronize()
         return self.tokens.tolist(), self.logprobs.tolist()
 
+    def routed_rows(self) -> np.ndarray | None:
+        """The routed experts by slot (after ``lists``); a view of a buffer reused two steps later: copy rows."""
+        return None if self.routed is None else self.routed.numpy()
+
+
+@dataclass
+class Prefilled:
+    """A prefill's first tokens and logprobs, slot by slot of its groups, and with recording on each prompt's
+    routed experts [prompt length, layers, k]."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    routed: list[np.ndarray] | None = None
+
 
 class Runner:
     """The decoder, the KV cache and each slot's decode state (last token, position, sampling settings)."""
 
-    def __init__(self, decoder: Decoder, slots: int, slot_len: int):
+    def __init__(self, decoder: Decoder, slots: int, slot_len: int, record: bool = False):
         self.decoder, self.slots, self.slot_len = decoder, slots, slot_len
         device, shape = decoder.device, decoder.shape
         self.cache = KVCache(shape, slots, slot_len, device, decoder.dtype)
@@ -96,6 +117,11 @@ class Runner:
             for _ in range(2)
         ]  # two: the host reads one step's while the next step's copy is under way
         self._flip = 0
+        self.routed_shape = _routed_shape(decoder) if record else None
+        if self.routed_shape:  # a decode step's record, on the device (graphs write it) and two host copies
+            self._routed = torch.zeros(slots, *self.routed_shape, dtype=torch.int32, device=device)
+            size = self._routed.shape
+            self._routed_out = [torch.zeros(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
 
     # --- memory --------------------------------------------------------------------------------------------
 
@@ -119,11 +145,10 @@ class Runner:
     # --- prefill -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(
-        self, prompts: list[list[int]], slot_groups: list[list[int]]
-    ) -> tuple[list[int], list[float]]:
+    def prefill(self, prompts: list[list[int]], slot_groups: list[list[int]]) -> Prefilled:
         """Run ``prompts`` once each, fill the cache of every slot of its group with its keys and values, and
-        sample each slot's first token; returns the tokens and logprobs, slot by slot of the groups."""
+        sample each slot's first token; returns the tokens and logprobs, slot by slot of the groups (and with
+        recording on, each prompt's routed experts)."""
         device, lens = self.decoder.device, [len(p) for p in prompts]
         starts = [0]
         for n in lens:
@@ -147,7 +172,10 @@ class Runner:
             )
 
         last = torch.tensor(starts[1:], device=device) - 1
-        logits = self.decoder.forward(ids, positions, attend, last=last)
+        record = None
+        if self.routed_shape:
+            record = torch.zeros(len(ids), *self.routed_shape, dtype=torch.int32, device=device)
+        logits = self.decoder.forward(ids, positions, attend, last=last, record=record)
         slots = torch.tensor([s for s, _ in writes], device=device)
         tokens, logprobs = self.sampling.sample(
             logits[torch.tensor([j for _, j in writes], device=device)], slots
@@ -155,7 +183,11 @@ class Runner:
         self.tokens[slots] = tokens
         self.positions[slots] = torch.tensor([lens[j] for _, j in writes], device=device)
         self.live[slots] = 1
-        return tokens.tolist(), logprobs.tolist()
+        routed = None
+        if record is not None:
+            record = record.cpu().numpy()
+            routed = [record[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+        return Prefilled(tokens.tolist(), logprobs.tolist(), routed)
 
     # --- decode --------------------------------------------------------------------------------------------
 
@@ -167,15 +199,19 @@ class Runner:
         tokens, logprobs = self.sampling.sample(logits, slice(0, batch))
         self.tokens[:batch] = tokens
         self.positions[:batch] = (self.positions[:batch] + self.live[:batch]).clamp_(max=self.slot_len - 1)
-        out_tokens, out_logprobs = (t[:batch] for t in self._out[self._flip])
-        self._flip ^= 1
+        flip, self._flip = self._flip, self._flip ^ 1
+        out_tokens, out_logprobs = (t[:batch] for t in self._out[flip])
         out_tokens.copy_(tokens, non_blocking=True)
         out_logprobs.copy_(logprobs, non_blocking=True)
+        routed = None
+        if self.routed_shape:
+            routed = self._routed_out[flip][:batch]
+            routed.copy_(self._routed[:batch], non_blocking=True)
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return Fetched(out_tokens, out_logprobs, event)
+        return Fetched(out_tokens, out_logprobs, event, routed)
 
     def _decode_logits(self, batch: int) -> torch.Tensor:
         positions, rows = self.positions[:batch], self._rows[:batch]
@@ -203,7 +239,8 @@ class Runner:
             )  # fmt: skip
             return out.reshape(batch, shape.heads, shape.head_dim)
 
-        return self.decoder.forward(self.tokens[:batch], positions, attend)
+        record = self._routed[:batch] if self.routed_shape else None
+        return self.decoder.forward(self.tokens[:batch], positions, attend, static=True, record=record)
 
     def _replay(self, batch: int) -> torch.Tensor:
         """The decode logits of ``batch`` slots through that bucket's CUDA graph, captured at first use."""
@@ -238,6 +275,14 @@ class Runner:
         for t in (self.tokens, self.positions, self.live):
             t[dst] = t[src]
         self.free([src])
+
+
+def _routed_shape(decoder: Decoder) -> tuple[int, int]:
+    """(layers, k) of a token's routed experts; only a mixture of experts has them."""
+    moe = decoder.shape.moe
+    if moe is None:
+        raise ValueError("routed-expert recording needs a mixture-of-experts model; this one is dense")
+    return decoder.shape.layers, moe.top_k
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

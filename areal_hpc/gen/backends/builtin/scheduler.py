@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams
 from areal_hpc.gen.backends.builtin.runner import Fetched, Runner, bucket
 
@@ -37,6 +39,9 @@ class Row:
     finish_reason: dict | None = None
     slot: int = -1
     inflight: int = 0  # tokens of launched steps not read yet
+    # With routed experts asked for: what each forward of the row chose, [tokens, layers, k] per chunk (the
+    # prompt's, then one per decode step: the experts of its input token, the previous output).
+    routed: list[np.ndarray] | None = None
 
     @property
     def done(self) -> bool:
@@ -48,10 +53,13 @@ class Row:
         budget = self.params.max_new_tokens
         return (budget is None or made < budget) and len(self.prompt) + made < limit
 
-    def append(self, token: int, logprob: float, limit: int) -> None:
-        """Record a generated token and decide whether the row is finished."""
+    def append(self, token: int, logprob: float, limit: int, routed: np.ndarray | None = None) -> None:
+        """Record a generated token (and the routed experts of the step's input) and decide whether the row is
+        finished."""
         self.output_ids.append(token)
         self.logprobs.append(logprob)
+        if self.routed is not None and routed is not None:
+            self.routed.append(routed.copy())  # a view of the runner's buffer, which later steps reuse
         budget = self.params.max_new_tokens
         if token in self.stop_ids:  # stop tokens are banned before min_new_tokens, so this respects it
             self.finish_reason = {"type": "stop", "matched": token}
@@ -113,10 +121,12 @@ class Scheduler:
             [r.seed for r in rows],
             [r.stop_ids for r in rows],
         )
-        tokens, logprobs = self.runner.prefill(
-            [g[0].prompt for g in groups], [[r.slot for r in g] for g in groups]
-        )
-        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
+        done = self.runner.prefill([g[0].prompt for g in groups], [[r.slot for r in g] for g in groups])
+        for j, group in enumerate(groups):
+            for row in group:
+                if row.routed is not None and done.routed is not None:
+                    row.routed.append(done.routed[j])  # the n samples of a prompt share its prefill
+        for row, token, logprob in zip(rows, done.tokens, done.logprobs, strict=True):
             row.append(token, logprob, self.limit)
         self.rows = self.rows + rows
         self._count(rows, prefill=True, secs=time.monotonic() - start)
@@ -156,10 +166,12 @@ class Scheduler:
             return []
         fetched, rows = pending
         tokens, logprobs = fetched.lists()
+        routed = fetched.routed_rows()
         for row, slot in rows:
             row.inflight -= 1
             if not row.done:
-                row.append(tokens[slot], logprobs[slot], self.limit)
+                experts = None if routed is None else routed[slot : slot + 1]
+                row.append(tokens[slot], logprobs[slot], self.limit, experts)
                 self.stats["generated_tokens"] += 1
         return self._prune()
 

@@ -3,7 +3,8 @@
 Routes (JSON bodies; every route but ``/health*`` needs ``Authorization: Bearer <token>``; top-level fields
 a route does not use are ignored, as SGLang ignores them)::
 
-    POST /generate                  SGLang's generate (input_ids or text, sampling_params, return_logprob, rid)
+    POST /generate                  SGLang's generate (input_ids or text, sampling_params, return_logprob, rid,
+                                    return_routed_experts: honoured with --enable-return-routed-experts)
     POST /update_weights_from_disk  {"model_path", "abort_all_requests", "weight_version"}: an HF directory;
                                     one with a manifest.json (our snapshots) must match it, else 400
     POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
@@ -27,7 +28,7 @@ Usage::
 
     python -m areal_hpc.gen.backends.builtin.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
         [--address-file A] [--seed S] [--max-batch-size N] [--device cpu] [--dtype float32]
-        [--mem-fraction-static F] [--context-length N]
+        [--mem-fraction-static F] [--context-length N] [--enable-return-routed-experts]
 
 Once it serves, ``{"url", "pid"}`` is written to the address file (``gen.discovery``, tmp + rename); SIGTERM or
 SIGINT stop it cleanly (in-flight requests answer with finish reason abort) and remove that file. The gen_server
@@ -130,7 +131,7 @@ class App:
         requests: list[Request] = []
         try:
             for rid, prompts in groups or [(req.rid, req.prompts)]:
-                requests.append(self.engine.submit(prompts, req.params, rid))
+                requests.append(self.engine.submit(prompts, req.params, rid, req.return_routed_experts))
         except Exception:
             for request in requests:  # all or nothing
                 self.engine.abort(request.rid)
@@ -392,6 +393,7 @@ class BuiltinServer:
             spec.model_path, device=spec.device, dtype=spec.dtype, seed=spec.seed,
             max_batch_size=spec.max_running_requests, weight_version=spec.weight_version,
             mem_fraction_static=spec.mem_fraction_static, context_length=spec.context_length,
+            return_routed_experts=spec.enable_return_routed_experts,
         ).start()  # fmt: skip
         args = {k: v for k, v in dataclasses.asdict(spec).items() if k != "token_file"}
         args.update(
@@ -448,11 +450,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSpec, str | None]:
     p.add_argument(
         "--context-length", type=int, default=None, help="longest prompt + answer (default: model's)"
     )
+    p.add_argument(
+        "--enable-return-routed-experts", action="store_true",
+        help="record each token's routed experts (a mixture of experts) for requests with return_routed_experts",
+    )  # fmt: skip
     ns = p.parse_args(argv)
     spec = ServerSpec(
         ns.model_path, Path(ns.token_file), ns.host, ns.port, ns.device, dtype=ns.dtype, seed=ns.seed,
         max_running_requests=ns.max_batch_size, weight_version=ns.weight_version, cpu_threads=ns.num_threads,
         mem_fraction_static=ns.mem_fraction_static, context_length=ns.context_length,
+        enable_return_routed_experts=ns.enable_return_routed_experts,
     )  # fmt: skip
     return spec, ns.address_file
 
