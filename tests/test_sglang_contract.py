@@ -13,13 +13,14 @@ import json
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from areal_hpc.config import load_config
+from areal_hpc.config import ConfigError, load_config
 from areal_hpc.gen.client import GenClient
 from areal_hpc.gen.rollout import group_params, sampling_params
 
@@ -154,8 +155,8 @@ def client_calls(params: dict) -> dict[str, Callable[[GenClient], Any]]:
     }
 
 
-def sent_bodies() -> dict[str, dict]:
-    """The body of every call the client makes, as a server receives it."""
+def sent_bodies(calls: dict[str, Callable[[GenClient], Any]] | None = None) -> dict[str, dict]:
+    """The body of every call the client makes (or of `calls`), as a server receives it."""
     bodies: dict[str, dict] = {}
 
     class Capture(BaseHTTPRequestHandler):
@@ -178,8 +179,9 @@ def sent_bodies() -> dict[str, dict]:
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         c = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "key")
-        params = sampling_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"]))
-        for call in client_calls(params).values():
+        if calls is None:
+            calls = client_calls(sampling_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"])))
+        for call in calls.values():
             call(c)
     finally:
         httpd.shutdown()
@@ -206,3 +208,71 @@ def test_every_sampling_parameter_we_send_is_one_sglang_takes_and_no_seed_is_rel
     assert "sampling_seed" not in sglang
     builtin = group_params(load_config([recipe], ["allocation_mode=builtin.d4p1m1+d2p2m1"]), "q1", 0)
     assert builtin == {**sglang, "sampling_seed": builtin["sampling_seed"]}  # seeded where each answer is
+
+
+# --- routing replay (issue 33): what we ask SGLang for, and how it answers ----------------------------------
+
+
+def routing_config(tiny_moe_dir, *overrides: str):
+    """The shipped SGLang recipe on the tiny MoE, servers of tensor size 2, routing replay on."""
+    layout = ["allocation_mode=sglang.d2p1m2+d2p2m1", f"actor.path={tiny_moe_dir}"]
+    cfg = load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"], [*layout, *overrides])
+    # No trainer backend replays the routing yet, so validation refuses rollout; the servers' side runs without it.
+    return replace(cfg, actor=replace(cfg.actor, router_replay="rollout"))
+
+
+def test_routing_replay_and_expert_parallel_servers_launch_with_sglang_s_own_flags(tiny_moe_dir):
+    from tests.test_sglang_launch import commands
+
+    (line, _) = commands(routing_config(tiny_moe_dir, "sglang.ep_size=2"), 8).splitlines()
+    flags = line.split()
+    assert "--enable-return-routed-experts" in flags and flags[flags.index("--ep-size") + 1] == "2"
+    assert {f for f in flags if f.startswith("--")} - {"--token-file"} <= cli_flags()
+    switches = {  # a flag that takes no value: store_true there
+        node.args[0].value
+        for node in ast.walk(tree("server_args.py"))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", "") == "add_argument"
+        and any(k.arg == "action" and getattr(k.value, "value", "") == "store_true" for k in node.keywords)
+    }
+    assert "--enable-return-routed-experts" in switches
+    off = commands(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"], [f"actor.path={tiny_moe_dir}"]), 4)
+    assert (
+        "--enable-return-routed-experts" not in off and "--ep-size" not in off
+    )  # the golden files' commands
+
+
+def test_ep_size_must_divide_the_servers_tensor_size_as_sglang_s_model_runner_requires(tiny_moe_dir):
+    runner = (SRC / "model_executor/model_runner.py").read_text()
+    assert "if self.tp_size % self.moe_ep_size != 0:" in runner  # SGLang's rule, and ours:
+    with pytest.raises(
+        ConfigError, match="'sglang.ep_size' 3 must divide the generation servers' tensor size 2"
+    ):
+        routing_config(tiny_moe_dir, "sglang.ep_size=3")
+    with pytest.raises(ConfigError, match="'sglang.ep_size' 16 does not divide the 8 experts"):
+        routing_config(tiny_moe_dir, "sglang.ep_size=16")  # and 16 does not divide 2 either
+
+
+def test_a_routing_request_asks_with_generate_s_own_field_and_sglang_s_sampling_parameters(tiny_moe_dir):
+    params = group_params(routing_config(tiny_moe_dir), "q1", 0)
+    (body,) = sent_bodies({"/generate": lambda c: c.generate([1, 2, 3], params)}).values()
+    assert body["return_routed_experts"] is True
+    fields = class_fields(request_classes()["/generate"])
+    assert set(body) <= set(fields) and "return_routed_experts" in fields
+    assert set(body["sampling_params"]) <= sampling_param_names()  # our shape of the routing stays here
+
+
+def test_sglang_answers_the_routing_of_every_forwarded_token_as_base64_int32_tokens_by_layers_by_top_k():
+    manager = ast.unparse(tree("managers/tokenizer_manager.py"))
+    # Each answer of a list (n > 1, a batch) gets its own request's routing, as the bytes of its tensor.
+    assert "routed_experts_tensor = recv_obj.routed_experts[i]" in manager
+    assert (
+        "meta_info['routed_experts'] = pybase64.b64encode(routed_experts_tensor.numpy().tobytes())" in manager
+    )
+    capturer = ast.unparse(tree("layers/moe/routed_experts_capturer.py"))
+    # The host buffer holds int32 [tokens, layers, top_k], layers and top_k the (text) config's, like ours.
+    assert "torch.zeros((num_tokens, num_hidden_layers, num_experts_per_tok), dtype=torch.int32" in capturer
+    assert "self.num_hidden_layers = model_config.hf_text_config.num_hidden_layers" in capturer
+    assert "self.num_experts_per_tok = model_config.hf_text_config.num_experts_per_tok" in capturer
+    # A request's rows: every token of its sequence but the last, which no forward took.
+    assert "req_to_token_pool.req_to_token[req_pool_idx][:seqlen - 1]" in capturer

@@ -8,12 +8,17 @@ logprobs and the weight version each was sampled under. `export` turns it into s
     per_turn  one sample per model turn: its context (earlier turns included, not trained here) and its tokens
 
 A sample's `prompt_mask` (the batch key) is True on every token the policy did not sample.
+
+Under routing replay a turn keeps the routed experts of its request (gen.routing): rows for the trajectory's
+ids up to its end, since its request's prompt was the whole trajectory so far. A sample takes those of its last
+turn. The arrays are carried, not read: this module needs no numpy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 NOT_SAMPLED = -1  # the version of a context token
 
@@ -25,6 +30,7 @@ class Turn:
     start: int
     end: int
     finish: str
+    routing: Any = field(default=None, compare=False, repr=False)  # its request's routed experts, or None
 
 
 @dataclass
@@ -33,6 +39,9 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # NOT_SAMPLED on context tokens
     turns: list[Turn] = field(default_factory=list)
+    # Keep every turn's routing (per_turn export trains each turn with its own); false: the last turn's only
+    # (concat), since a turn's routing holds a row for every id before its end.
+    routing_per_turn: bool = True
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.ids += ids
@@ -40,7 +49,12 @@ class Trajectory:
         self.versions += [NOT_SAMPLED] * len(ids)
 
     def add_turn(
-        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], finish: str
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        finish: str,
+        routing: Any = None,
     ) -> None:
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError(
@@ -50,7 +64,9 @@ class Trajectory:
         self.ids += ids
         self.logprobs += logprobs
         self.versions += versions
-        self.turns.append(Turn(start, len(self.ids), finish))
+        if not self.routing_per_turn and self.turns:
+            self.turns[-1] = replace(self.turns[-1], routing=None)
+        self.turns.append(Turn(start, len(self.ids), finish, routing))
 
     def extends(self, ids: Sequence[int]) -> bool:
         """Whether ``ids`` start with this trajectory's ids (so a generation on them continues it)."""
@@ -72,6 +88,8 @@ class Sample:
     truncated: bool  # its last model turn ended without a stop token
     reward: float  # the task reward (not yet scaled by ppo.reward_output_*)
     discount: float = 1.0  # the factor on its scaled reward (per_turn: turn_discount ** turns after it)
+    # Routing replay: its last turn's routed experts (rows for its ids; fewer: no forward, zeros in the batch)
+    routing: Any = field(default=None, compare=False, repr=False)
 
     @property
     def sampled_versions(self) -> list[int]:
@@ -118,4 +136,5 @@ def _sample(traj: Trajectory, trained: Sequence[Turn], last: Turn, reward: float
         last.finish != "stop",
         reward,
         discount,
+        last.routing,
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 from areal_hpc import alloc
 from areal_hpc.config import extensions
-from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems
+from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems, moe_experts
 from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
@@ -297,7 +297,8 @@ def allocation_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def _megatron_model_problems(cfg: ExperimentConfig, allocation: alloc.Allocation) -> list[str]:
-    """What keeps each model on the megatron backend from being built at the TP and PP sizes of its calls."""
+    """What keeps each model on the megatron backend from being built at the TP, PP and EP sizes of its
+    calls."""
     out = []
     for name, model in trainer_models(cfg).items():
         hf = _hf_config(model.path) if model.backend == "megatron" else None
@@ -305,7 +306,8 @@ def _megatron_model_problems(cfg: ExperimentConfig, allocation: alloc.Allocation
             continue
         where = f"'{name}.path' ({Path(model.path) / 'config.json'})"
         for spec in dict.fromkeys(allocation.train_spec(mfc) for mfc in MFCS_OF[name]):
-            out += [f"{where}: {p}" for p in megatron_model_problems(hf, spec.tensor, spec.pipeline)]
+            problems = megatron_model_problems(hf, spec.tensor, spec.pipeline, spec.expert)
+            out += [f"{where}: {p}" for p in problems]
     return list(dict.fromkeys(out))  # a problem of several layouts once
 
 
@@ -383,8 +385,8 @@ def trainer_models(cfg: ExperimentConfig) -> dict[str, ModelConfig]:
 
 
 def _parallel_problems(cfg: ExperimentConfig, mode: alloc.AllocationMode) -> list[str]:
-    """Each training layout's tensor and pipeline sizes against the backends of the models whose calls run on
-    it (`*`: the calls not listed)."""
+    """Each training layout's tensor, pipeline and expert sizes against the backends of the models whose calls
+    run on it (`*`: the calls not listed)."""
     out, listed = [], {key for key, _ in mode.train}
     for key, spec in mode.train:
         layout = "the training layout" if key == alloc.DEFAULT_KEY else f"the layout of {key}"
@@ -403,7 +405,20 @@ def _parallel_problems(cfg: ExperimentConfig, mode: alloc.AllocationMode) -> lis
                         f"'allocation_mode': {layout} {spec.format()} has {axis} size {size}, but {model}.backend "
                         f"{name!r} has no {axis} parallelism (it trains data parallel: give d{spec.world_size}p1m1)"
                     )
+            if spec.expert > 1 and not backend.expert_parallel:
+                out.append(_expert_problem(layout, spec, model, name))
     return out
+
+
+def _expert_problem(layout: str, spec: alloc.ParallelSpec, model: str, name: str) -> str:
+    """A layout's e > 1 for a model whose backend has no expert parallelism."""
+    able = [b for b, backend in TRAIN_BACKENDS.items() if backend.expert_parallel]
+    dense = dataclasses.replace(spec, expert=1).format()
+    return (
+        f"'allocation_mode': {layout} {spec.format()} has expert size {spec.expert}, but {model}.backend "
+        f"{name!r} has no expert parallelism (backends with it: {', '.join(able)}): give "
+        f"{model}.backend={able[0]} for a mixture-of-experts model, or {dense} without e"
+    )
 
 
 def _hf_config(path: str | None) -> dict | None:
@@ -417,8 +432,49 @@ def _hf_config(path: str | None) -> dict | None:
 def validate(cfg: ExperimentConfig, problems: list[str] | tuple = ()) -> None:
     """Raise ConfigError listing every problem of the config (`problems` found before, too), or return quietly."""
     problems = [*problems, *(p for key, f, value in walk(cfg) for p in field_problems(key, f, value))]
-    problems += cross_field_problems(cfg)
+    problems += cross_field_problems(cfg) + router_replay_problems(cfg)
     if not problems:
         problems += allocation_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def router_replay_problems(cfg: ExperimentConfig) -> list[str]:
+    """Routing replay (actor.router_replay) and SGLang's expert parallelism (sglang.ep_size) against the actor's
+    model and the generation servers' tensor size (issue 33)."""
+    hf, out = _hf_config(cfg.actor.path), []
+    where = f"'actor.path' ({Path(cfg.actor.path or '') / 'config.json'})"
+    experts = None if hf is None else moe_experts(hf.get("text_config", hf))  # None: no local config to read
+    if cfg.actor.router_replay == "rollout":
+        if cfg.experiment_type != "ppo":
+            out.append(
+                "'actor.router_replay' is rollout, but experiment_type sft generates no rollouts: give off"
+            )
+        elif experts == 0:
+            out.append(
+                f"'actor.router_replay' is rollout, but {where} is a dense model (no num_experts or "
+                f"num_local_experts): only a mixture-of-experts model routes; give actor.router_replay=off"
+            )
+        backend = TRAIN_BACKENDS.get(cfg.actor.backend)  # an unknown one: its own check says so
+        if backend is not None and not backend.router_replay:  # the trainer's half is issue 33's next step
+            out.append(
+                f"'actor.router_replay' is rollout, but actor.backend {cfg.actor.backend} does not replay the "
+                "servers' routing yet: give actor.router_replay=off"
+            )
+    ep = cfg.sglang.ep_size
+    if ep < 1:
+        return out  # its bounds check says why
+    if ep > 1 and experts == 0:
+        out.append(f"'sglang.ep_size' is {ep}, but {where} is a dense model: there are no experts to split")
+    elif ep > 1 and experts and experts % ep:
+        out.append(f"'sglang.ep_size' {ep} does not divide the {experts} experts of {where}")
+    try:
+        tensor = allocation_of(cfg).gen_tensor
+    except alloc.AllocationError:
+        return out  # allocation_problems says why
+    if tensor % ep:  # SGLang splits a server's tp_size GPUs into groups of ep_size (its parallel_state)
+        out.append(
+            f"'sglang.ep_size' {ep} must divide the generation servers' tensor size {tensor} "
+            f"(allocation_mode {cfg.allocation_mode!r}), as SGLang requires"
+        )
+    return out

@@ -118,6 +118,13 @@ class ActorConfig(TrainedModelConfig):
         "type's (ppo_actor, sft); or 'module:Class' (or a name registered under the entry-point group "
         "areal_hpc.interfaces), built with the config, with train_step and inference (docs/extending.md).",
     )
+    router_replay: str = opt(
+        "off",
+        "Routing replay of a mixture-of-experts actor: rollout: the generation servers return the experts each "
+        "token was routed to (SGLang's --enable-return-routed-experts, added by the launcher), kept in the batch "
+        "as packed_routed_experts for the trainer to route alike; off: the trainer routes on its own.",
+        choices=("off", "rollout"),
+    )
 
 
 @dataclass
@@ -204,6 +211,12 @@ class SGLangConfig:
         32768, "Longest sequence (prompt + answer) a server takes; null: the model's.", ge=1
     )
     log_level: str = opt("warning", "SGLang's log level.", choices=("debug", "info", "warning", "error"))
+    ep_size: int = opt(
+        1,
+        "Expert parallel size of a server (SGLang's --ep-size): a mixture-of-experts model's experts split over "
+        "this many of the server's tensor-parallel GPUs; it must divide the servers' tensor size.",
+        ge=1,
+    )
 
 
 @dataclass

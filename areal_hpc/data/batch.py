@@ -3,7 +3,9 @@
 A batch of B sequences is stored packed: `cu_seqlens` (B+1, int64) gives the boundaries; per-token arrays
 have length T = cu_seqlens[-1] and per-sequence arrays length B (the layout of `areal_hpc.algo.packing`).
 Every sequence has at least two tokens (a prompt token and an answer token), so T > B and an array's
-length alone says which kind it is.
+length alone says which kind it is. An array may have a shape of its own after that axis: routing replay's
+`packed_routed_experts` is [T, layers, top_k] (uint8 or int16 expert ids, gen.routing); selecting, splitting and
+gathering move whole rows, so every token keeps its own.
 Files are written to a temporary name and renamed, so a reader never sees half a batch; nor do they need HDF5's
 file lock, which NFS and Lustre often refuse ("unable to lock file"): every file is opened without it.
 """
@@ -20,6 +22,9 @@ import numpy as np
 
 CU = "cu_seqlens"
 GROUPS = "group_ids"  # per sequence: its prompt's group, numbered within its file
+# Per-token keys with rows of their own shape, and their number of dimensions: [T, layers, top_k] expert ids
+# (gen.routing.BATCH_KEY; data cannot import gen, tests/test_routed_experts.py checks they agree).
+TOKEN_ROWS = {"packed_routed_experts": 3}
 
 
 class BatchError(ValueError):
@@ -51,7 +56,18 @@ def check_packed(arrays: Mapping[str, Any]) -> tuple[int, int]:
             raise BatchError(
                 f"'{key}' has length {length}; expected T={n_tokens} tokens or B={n_seqs} sequences"
             )
+        if key in TOKEN_ROWS:
+            _check_token_rows(key, _as_numpy(value), n_tokens)
     return n_seqs, n_tokens
+
+
+def _check_token_rows(key: str, value: np.ndarray, n_tokens: int) -> None:
+    """A key of TOKEN_ROWS: a row of integers per token."""
+    if value.shape[0] != n_tokens or value.ndim != TOKEN_ROWS[key] or value.dtype.kind not in "iu":
+        raise BatchError(
+            f"'{key}' is {value.dtype} of shape {value.shape}; expected integers of {TOKEN_ROWS[key]} "
+            f"dimensions, a row per token (T={n_tokens})"
+        )
 
 
 def write_batch(path: str | Path, arrays: Mapping[str, Any], attrs: Mapping[str, Any] | None = None) -> Path:

@@ -42,6 +42,10 @@ class GenServerError(RuntimeError):
 STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 SECS_PER_TOKEN = 0.1  # the slowest decoding a /generate call waits for (10 tokens/s per answer)
 STOP_POLL_SECS = 0.5  # how often a request waiting for admission looks at its caller's stop event
+# The one key of a request's params that is not a sampling parameter (SGLang refuses unknown keys there): the
+# routing replay's shape (gen.routing). It asks for each token's routed experts: SGLang's top-level field
+# return_routed_experts.
+ROUTED_EXPERTS = "routed_experts"
 
 
 class GenerationStopped(RuntimeError):
@@ -150,9 +154,13 @@ class GenClient:
     ) -> list[dict]:
         """Generate for one prompt or a list of prompts (or ``text``); always a list, prompt-major, n each.
         The timeout starts once admitted and grows with max_new_tokens: a long answer at a slow but working
-        server is no failure. ``stop`` set while waiting for admission: GenerationStopped, nothing sent."""
+        server is no failure. ``stop`` set while waiting for admission: GenerationStopped, nothing sent.
+        ``sampling_params[ROUTED_EXPERTS]`` asks for the routed experts (see ROUTED_EXPERTS)."""
         params = sampling_params or {}
         body: dict[str, Any] = {"sampling_params": params, "return_logprob": return_logprob}
+        if params.get(ROUTED_EXPERTS):  # routing replay: gen.routing decodes the answers' routing
+            body["sampling_params"] = {k: v for k, v in params.items() if k != ROUTED_EXPERTS}
+            body["return_routed_experts"] = True
         if input_ids is not None:
             body["input_ids"] = input_ids
         if text is not None:

@@ -8,7 +8,8 @@ starts a new trajectory of the episode (a "break", counted), as AReaL's individu
 
 Requests are blocking HTTP calls (gen.client), run in threads so that the episodes of a group (and their tool
 calls) proceed side by side. A generation interrupted by a weight update is continued with the tokens it has
-(gen.partial), each token tagged with the version it was sampled under.
+(gen.partial), each token tagged with the version it was sampled under. Under routing replay a turn keeps the
+routed experts of its last request (gen.routing), in the trajectory and in the journal.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from areal_hpc.agent import (
     ChatRenderer,
@@ -34,7 +37,7 @@ from areal_hpc.agent import (
     to_openai,
 )
 from areal_hpc.gen.journal import Entry, Journal, Journals, request_key
-from areal_hpc.gen.partial import PartialAnswer, finish, from_response
+from areal_hpc.gen.partial import PartialAnswer, answers_of, finish
 
 
 class EpisodeCancelled(RuntimeError):
@@ -50,6 +53,8 @@ class Generation:
     versions: list[int]
     finish: str  # stop | length
     text: str
+    # Routing replay: the routed experts of its request's ids and of the sampled ids but the last (gen.routing)
+    routing: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -111,7 +116,7 @@ class EpisodeContext:
         traj = self.trajectories[-1] if self.trajectories else None
         if traj is None or not traj.extends(ids):
             self.counts["breaks"] += traj is not None
-            traj = Trajectory()
+            traj = Trajectory(routing_per_turn=self.options.export == "per_turn")
             self.trajectories.append(traj)
         traj.add_context(ids[len(traj.ids) :])
         params = self._turn_params(sampling)
@@ -124,13 +129,14 @@ class EpisodeContext:
         params["max_new_tokens"] = min(params["max_new_tokens"], room)
         key = request_key(ids, params, stop)
         if (entry := self.journal.replay(key) if self.journal else None) is not None:
-            turn = Generation(entry.ids, entry.logprobs, entry.versions, entry.finish, "")
+            turn = Generation(entry.ids, entry.logprobs, entry.versions, entry.finish, "", entry.routing)
             self.counts["replayed_turns"] += 1
         else:
             turn = await self._live(ids, params, stop)
             if self.journal:
-                self.journal.append(Entry(key, turn.ids, turn.logprobs, turn.versions, turn.finish))
-        traj.add_turn(turn.ids, turn.logprobs, turn.versions, turn.finish)
+                entry = Entry(key, turn.ids, turn.logprobs, turn.versions, turn.finish, turn.routing)
+                self.journal.append(entry)
+        traj.add_turn(turn.ids, turn.logprobs, turn.versions, turn.finish, turn.routing)
         self.counts["turns"] += 1
         self.counts["drifted_turns"] += drifts(self.tokenizer, turn.ids)
         text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
@@ -142,10 +148,11 @@ class EpisodeContext:
         self.counts["interrupted_turns"] += answer.n_parts > 1
         out, logprobs = list(answer.output_ids), list(answer.logprobs)
         versions = [v for part in answer.parts for v in [part.first] * part.tokens]
-        ended = "stop" if answer.finish == "stop" else "length"
+        ended, routing = "stop" if answer.finish == "stop" else "length", answer.routing
         if stop and (k := stop_length(self.tokenizer, out, stop)) is not None:
             out, logprobs, versions, ended = out[:k], logprobs[:k], versions[:k], "stop"
-        return Generation(out, logprobs, versions, ended, "")
+            routing = None if routing is None else routing[: len(ids) + k]  # the rows of the ids kept
+        return Generation(out, logprobs, versions, ended, "", routing)
 
     def _turn_params(self, sampling: dict | None) -> dict:
         params = {**self.params, **(sampling or {}), "n": 1}
@@ -167,7 +174,7 @@ class EpisodeContext:
                 responses = self.client.generate([prompt], p, rid=rid, stop=self.services.stop)
             finally:
                 self._running.discard(rid)
-            return [from_response(r, min_version) for r in responses]
+            return answers_of(self.client, responses, prompt, p, min_version)
 
         (answer,) = ask(ids, params)
         return finish(ask, ids, params, 0, answer, max_parts=1000)

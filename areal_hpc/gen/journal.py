@@ -5,7 +5,8 @@ An episode is known by (epoch, prompt, index in its group): a resumed run draws 
 again, and its episodes find their journals. Each completed generation is one line, appended with one write and
 fsync'd, so a crash can only tear the last line (skipped on reading). A line holds the key of its request (the
 context ids, the sampling parameters and the stop strings, hashed) and the answer: sampled ids, behaviour
-logprobs, weight versions and finish reason.
+logprobs, weight versions and finish reason, and under routing replay its routed experts (gen.routing: the
+compact array as it is, 1-2 bytes an expert id), so that a replayed episode packs the same batch.
 
 On resume the episode's requests are answered from its journal as long as each one's key equals the recorded
 one's: the same tokens, no generation. From the first request that differs the episode generates live, and the
@@ -22,7 +23,7 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -42,6 +43,7 @@ class Entry:
     logprobs: list[float]
     versions: list[int]
     finish: str
+    routing: np.ndarray | None = field(default=None, compare=False, repr=False)  # routing replay's
 
     def line(self) -> bytes:
         fields = {
@@ -51,6 +53,8 @@ class Entry:
             "versions": _pack(self.versions, "<i4"),
             "finish": self.finish,
         }
+        if self.routing is not None:
+            fields["routing"] = _pack_array(self.routing)
         return (json.dumps(fields) + "\n").encode()
 
     @classmethod
@@ -62,6 +66,7 @@ class Entry:
             _unpack(raw["logprobs"], "<f8"),
             _unpack(raw["versions"], "<i4"),
             raw["finish"],
+            _unpack_array(raw["routing"]) if "routing" in raw else None,
         )
 
 
@@ -169,3 +174,15 @@ def _pack(values: Sequence, dtype: str) -> str:
 
 def _unpack(text: str, dtype: str) -> list:
     return np.frombuffer(base64.b64decode(text), dtype=dtype).tolist()
+
+
+def _pack_array(array: np.ndarray) -> dict:
+    """An array of any shape and dtype, as its little-endian bytes with both."""
+    dtype = array.dtype.newbyteorder("<")
+    data = base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode()
+    return {"shape": list(array.shape), "dtype": dtype.str, "data": data}
+
+
+def _unpack_array(packed: dict) -> np.ndarray:
+    array = np.frombuffer(base64.b64decode(packed["data"]), dtype=np.dtype(packed["dtype"]))
+    return array.reshape(packed["shape"]).astype(array.dtype.newbyteorder("="))

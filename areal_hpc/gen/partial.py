@@ -8,13 +8,21 @@ weights. Tokens and behaviour logprobs are concatenated; the answer keeps the ve
 Without interruption (``interruptible_generation: false``) a publication pauses answers in place and they go
 on under the new weights: the server reports only the version at the end, so the version of the first
 tokens is taken from the sender, who knows (a lower bound of) the version the server held when it sent.
+
+Under routing replay (gen.routing) an answer keeps the routed experts of the last request that added tokens to
+it: that request's prompt held every earlier token, so its routing covers the whole answer so far.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
+
+import numpy as np
+
+from areal_hpc.gen.routing import decode, shape_of
 
 ABORT = "abort"
 
@@ -39,6 +47,8 @@ class PartialAnswer:
     version_start: int
     version_end: int
     parts: tuple[Part, ...] = ()  # each request's part, in order
+    # Routing replay: [prompt + output_ids - 1, layers, top_k] expert ids of the last request (gen.routing).
+    routing: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_parts(self) -> int:
@@ -64,11 +74,13 @@ def version_of(label) -> int:
     return int(label)
 
 
-def from_response(response: dict, min_version: int | None = None) -> PartialAnswer:
+def from_response(
+    response: dict, min_version: int | None = None, routing: np.ndarray | None = None
+) -> PartialAnswer:
     """The first part of an answer, from one /generate response object (a request aborted while still
     queued has no tokens, and SGLang then sends no logprobs). ``min_version``: the version the sender knew
     the server held when it sent, where a server may pause the request in place across an update (its
-    response then reports only the version at its end)."""
+    response then reports only the version at its end). ``routing``: its decoded routing (`answers_of`)."""
     meta = response["meta_info"]
     ids = tuple(int(t) for t in response["output_ids"])
     logprobs = tuple(float(item[0]) for item in meta.get("output_token_logprobs") or ())
@@ -77,8 +89,21 @@ def from_response(response: dict, min_version: int | None = None) -> PartialAnsw
     last = version_of(meta.get("weight_version"))  # the server's when the request ended
     first = last if min_version is None else min(min_version, last)
     return PartialAnswer(
-        ids, logprobs, meta["finish_reason"]["type"], first, last, (Part(len(ids), first, last),)
+        ids, logprobs, meta["finish_reason"]["type"], first, last, (Part(len(ids), first, last),), routing
     )
+
+
+def answers_of(
+    client, responses: list[dict], prompt: Sequence[int], params: dict, min_version: int | None = None
+) -> list[PartialAnswer]:
+    """The answers of one request for ``prompt`` with ``params``; with their routing when the params ask for
+    it (routing replay), a server that sent none failing here by name."""
+    shape = shape_of(params)
+    where = getattr(client, "where", None) or getattr(client, "url", "the generation server")
+    return [
+        from_response(r, min_version, decode(r, len(prompt), shape, where) if shape else None)
+        for r in responses
+    ]
 
 
 def extend(answer: PartialAnswer, part: PartialAnswer) -> PartialAnswer:
@@ -90,6 +115,8 @@ def extend(answer: PartialAnswer, part: PartialAnswer) -> PartialAnswer:
         finish=part.finish,
         version_end=part.version_end,
         parts=answer.parts + part.parts,
+        # the last request that added tokens: one aborted while queued added none, and forwarded nothing
+        routing=answer.routing if part.routing is None else part.routing,
     )
 
 
@@ -117,7 +144,7 @@ def generate_group(
     admission (`GenClient.generate`)."""
 
     def ask(ids: list[int], p: dict) -> list[PartialAnswer]:
-        return [from_response(r, min_version) for r in client.generate([ids], p, stop=stop)]
+        return answers_of(client, client.generate([ids], p, stop=stop), ids, p, min_version)
 
     answers = ask(prompt, params)
     if not any(a.interrupted for a in answers):

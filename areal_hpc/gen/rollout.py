@@ -29,7 +29,9 @@ import numpy as np
 from areal_hpc.agent import Sample
 from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, data_parallel_size, gen_backend
 from areal_hpc.data import PromptSample, write_batch
-from areal_hpc.gen.partial import PartialAnswer, from_response
+from areal_hpc.gen.client import ROUTED_EXPERTS
+from areal_hpc.gen.partial import PartialAnswer, answers_of
+from areal_hpc.gen.routing import BATCH_KEY, model_shape, packed
 
 logger = logging.getLogger("rollout")
 EQUAL_REWARDS_TOL = 1e-9
@@ -57,10 +59,13 @@ def prompt_seed(seed: int, query_id: str, epoch: int) -> int:
 
 def group_params(cfg: ExperimentConfig, query_id: str, epoch: int) -> dict:
     """Sampling params of one prompt's group: seeded only where the generation backend seeds each answer
-    (config/backends.py); nothing else relies on the seed."""
+    (config/backends.py); nothing else relies on the seed. Under routing replay (actor.router_replay rollout)
+    they ask for each token's routed experts, in the shape of the actor's model (gen.routing)."""
     params = sampling_params(cfg)
     if GEN_BACKENDS[gen_backend(cfg)].seeded_sampling:
         params["sampling_seed"] = prompt_seed(cfg.seed, query_id, epoch)
+    if cfg.actor.router_replay == "rollout":
+        params[ROUTED_EXPERTS] = model_shape(cfg.actor.path).param()
     return params
 
 
@@ -71,8 +76,10 @@ def generate_groups(
     on server i % len(servers)."""
 
     def one(i: int) -> list[tuple[PartialAnswer, str]]:
-        responses = clients[i % len(clients)].generate([list(prompts[i].input_ids)], params[i])
-        return [(from_response(r), r["text"]) for r in responses]
+        client, prompt = clients[i % len(clients)], list(prompts[i].input_ids)
+        responses = client.generate([prompt], params[i])
+        texts = [r["text"] for r in responses]
+        return list(zip(answers_of(client, responses, prompt, params[i]), texts, strict=True))
 
     with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
         return list(pool.map(one, range(len(prompts))))
@@ -87,11 +94,12 @@ def scores(success: np.ndarray, cfg: ExperimentConfig) -> np.ndarray:
 def pack_groups(
     prompts: Sequence[PromptSample], groups: list[list[PartialAnswer]], success: np.ndarray
 ) -> dict:
-    """Packed arrays of prompt + answer sequences (batch keys of docs/architecture.md), without rewards."""
+    """Packed arrays of prompt + answer sequences (batch keys of docs/architecture.md), without rewards; with
+    routing replay, their routed experts (gen.routing.BATCH_KEY)."""
     ids, prompt_mask, logprobs, lengths = [], [], [], []
-    no_eos, group_ids, starts, ends = [], [], [], []
-    for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
-        for answer in answers:
+    no_eos, group_ids, starts, ends, routings = [], [], [], [], []
+    for g, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
+        for answer in group:
             p = list(prompt.input_ids)
             ids += p + list(answer.output_ids)
             prompt_mask += [True] * len(p) + [False] * len(answer.output_ids)
@@ -101,7 +109,8 @@ def pack_groups(
             group_ids.append(g)
             starts.append(answer.version_start)
             ends.append(answer.version_end)
-    return {
+            routings.append(answer.routing)
+    arrays = {
         "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         "packed_input_ids": np.asarray(ids, dtype=np.int64),
         "prompt_mask": np.asarray(prompt_mask, dtype=bool),
@@ -112,6 +121,13 @@ def pack_groups(
         "version_end": np.asarray(ends, dtype=np.int64),
         "success": success.astype(np.float32),
     }
+    return with_routing(arrays, routings, lengths)
+
+
+def with_routing(arrays: dict, routings: Sequence, lengths: Sequence[int]) -> dict:
+    """``arrays`` with the sequences' routed experts under BATCH_KEY, when they have any (routing replay)."""
+    routing = packed(routings, lengths)
+    return arrays if routing is None else {**arrays, BATCH_KEY: routing}
 
 
 def pack_episodes(groups: Sequence[Sequence[Sample]], cfg: ExperimentConfig) -> dict:
@@ -124,7 +140,7 @@ def pack_episodes(groups: Sequence[Sequence[Sample]], cfg: ExperimentConfig) -> 
     trained = [s.sampled_versions or [0] for _, s in rows]
     success = np.asarray([s.reward for _, s in rows], dtype=np.float32)
     discount = np.asarray([s.discount for _, s in rows], dtype=np.float32)
-    return {
+    arrays = {
         "cu_seqlens": np.concatenate([[0], np.cumsum([len(s.ids) for _, s in rows])]).astype(np.int64),
         "packed_input_ids": np.concatenate([np.asarray(s.ids, dtype=np.int64) for _, s in rows]),
         "prompt_mask": np.concatenate(masked),
@@ -141,6 +157,7 @@ def pack_episodes(groups: Sequence[Sequence[Sample]], cfg: ExperimentConfig) -> 
         "success": success,
         "rewards": scores(success, cfg) * discount,
     }
+    return with_routing(arrays, [s.routing for _, s in rows], [len(s.ids) for _, s in rows])
 
 
 # --- a synchronous step: rounds of groups, dynamic sampling, one batch file -----------------------------------
@@ -296,7 +313,7 @@ def rollout_step(
     arrays = pack_groups([g.prompt for g in filled.kept], groups, success)
     arrays["rewards"] = scores(success, cfg)
     write_batch(path, arrays, {"n_prompts": len(groups), "group_size": cfg.group_size})
-    answer_lens = [len(a.output_ids) for answers in groups for a in answers]
+    answer_lens = [len(a.output_ids) for group in groups for a in group]
     generated = [len(a.output_ids) for g in filled.kept + filled.dropped for a in g.result or ()]
     stats = {
         "rollout/answer_len/avg": float(np.mean(answer_lens)),

@@ -32,7 +32,8 @@ def server_spec(ctx: RunContext, visible: int | None = None, dist_init_addr: str
         model_path=cfg.actor.path, token_file=ctx.run.secret, host=ctx.bind_host, device=device, tp_size=tp,
         seed=cfg.seed + server.index, max_running_requests=cfg.max_running_requests, public_host=ctx.public_host,
         mem_fraction_static=sg.mem_fraction_static, context_length=sg.context_length, log_level=sg.log_level,
-        memory_saver=ctx.allocation.colocated,
+        memory_saver=ctx.allocation.colocated, ep_size=sg.ep_size,
+        enable_return_routed_experts=cfg.actor.router_replay == "rollout",
         nnodes=server.n_nodes, node_rank=node_rank, dist_init_addr=dist_init_addr,
     )  # fmt: skip
 

@@ -4,6 +4,8 @@ A batch is a dict of numpy arrays in the packed layout of ``areal_hpc.data.batch
 per-token and per-sequence arrays). Minibatches (one optimizer step each) and micro-batches (one forward and
 backward each) are sub-batches repacked by ``data.batch.select``. A micro-batch reaches the model as a
 right-padded ``[n, max_len]`` batch with an attention mask; ``unpad`` turns outputs back into the packed order.
+A per-token array may have rows of its own shape (routing replay's ``packed_routed_experts``, [T, layers, top_k]):
+``select`` moves whole rows, so each token keeps its own in every minibatch and micro-batch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ from areal_hpc.data import CU, select
 EMPTY_MB = {CU: np.array([0, 1], dtype=np.int64), "packed_input_ids": np.zeros(1, dtype=np.int64)}
 
 Batch = Mapping[str, np.ndarray]
+
+
+def empty_micro_batch(batch: Batch) -> dict[str, np.ndarray]:
+    """EMPTY_MB with a zero row for each per-token array of ``batch`` whose rows have a shape of their own (the
+    routed experts of routing replay): the model gets from it every input that the batch's micro-batches bring."""
+    n_tokens = int(np.asarray(batch[CU])[-1])
+    rows = {
+        key: np.zeros((1, *value.shape[1:]), dtype=value.dtype)
+        for key, value in batch.items()
+        if key != CU and value.ndim > 1 and value.shape[0] == n_tokens
+    }
+    return {**EMPTY_MB, **rows}
 
 
 def seq_lengths(batch: Batch) -> list[int]:

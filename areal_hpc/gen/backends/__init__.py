@@ -47,6 +47,9 @@ class ServerSpec:
     mem_fraction_static: float = _SGLANG.mem_fraction_static
     context_length: int | None = _SGLANG.context_length
     log_level: str = _SGLANG.log_level
+    ep_size: int = _SGLANG.ep_size  # a mixture-of-experts model's experts split over this many of its GPUs
+    # Routing replay (actor.router_replay rollout): answers carry each token's routed experts when asked.
+    enable_return_routed_experts: bool = False
 
 
 class Server(Protocol):

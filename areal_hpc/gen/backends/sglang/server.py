@@ -34,6 +34,10 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
     cmd += ["--skip-tokenizer-init", "--enable-metrics", "--log-level", spec.log_level]
     if spec.memory_saver:  # without it release_memory_occupation frees nothing
         cmd.append("--enable-memory-saver")
+    if spec.ep_size != 1:  # SGLang's default is 1: the shipped commands stay as they were
+        cmd += ["--ep-size", str(spec.ep_size)]
+    if spec.enable_return_routed_experts:  # routing replay: without it SGLang drops return_routed_experts
+        cmd.append("--enable-return-routed-experts")
     if spec.nnodes > 1:  # node rank 0 serves HTTP, the others run their part of the model
         cmd += ["--dist-init-addr", spec.dist_init_addr, "--nnodes", str(spec.nnodes)]
         cmd += ["--node-rank", str(spec.node_rank)]
