@@ -1,7 +1,8 @@
 """Mixture-of-experts models in the megatron backend on CPU gloo ranks: HF <-> Megatron conversion of experts
 split over expert-parallel ranks, the model's logprobs equal to transformers' at EP=1, EP=2 and TP=2 x EP=2,
 and a training step at those layouts equal to one rank's. A Qwen2-MoE built here adds a shared expert, a dense
-layer and the load-balancing loss."""
+layer and the load-balancing loss. Routing replay: the routers route as the servers did after the weights
+moved."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from areal_hpc.config.schema import MicroBatchSpec
-from areal_hpc.data import select
+from areal_hpc.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
+from areal_hpc.data import CU, ROUTED_EXPERTS, select
 from areal_hpc.train import dist
 from areal_hpc.train.backends.megatron import convert
 from areal_hpc.train.microbatch import micro_batches
 from tests.test_fsdp_engine import LENGTHS, alone, model_config, nll, packed
+from tests.test_routed_experts import hf_routing
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2)]  # (tensor, pipeline, expert); data = 2 when expert = 2
 
@@ -161,3 +163,68 @@ def test_shared_expert_dense_layer_and_balancing_loss_at_ep2_equal_one_rank(qwen
         for key in ("grad_norm", "moe/load_balancing_loss", "moe/load_imbalance"):
             assert rank["step"][key] == pytest.approx(one["step"][key], rel=1e-5), key
         torch.testing.assert_close(rank["after"], one["after"], atol=1e-5, rtol=0)
+
+
+# --- routing replay ----------------------------------------------------------------------------------------------
+
+
+def recorded_routing(model_dir, batch) -> np.ndarray:
+    """What the generation servers would have recorded: transformers' top-k of each token, sequence by sequence,
+    [T, layers, k] as uint8 (the rollout's batch key)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cu, ids = batch[CU], batch["packed_input_ids"]
+    return np.concatenate([hf_routing(model, ids[a:b]) for a, b in zip(cu[:-1], cu[1:], strict=True)]).astype(
+        np.uint8
+    )
+
+
+def _replay_rank(rank, world, mode, model_dir, out):
+    torch.set_num_threads(1)
+    dist.init_distributed(rank, world, f"{out}.init", backend="gloo", timeout_s=300)
+    try:
+        from areal_hpc.train.backends.megatron.engine import MegatronEngine
+        from areal_hpc.train.backends.megatron.replay import routers
+
+        cfg = ActorConfig(
+            path=model_dir, dtype="float32", router_replay=mode, optimizer=OptimizerConfig(lr=1e-3)
+        )
+        engine = MegatronEngine(cfg, 10, tensor=world)
+        moved = load_file(f"{model_dir}/model.safetensors")  # the weights moved since the servers routed:
+        engine.load_weights((n, -t if n.endswith("mlp.gate.weight") else t) for n, t in moved.items())
+        chosen = []  # each router's choice: (layer, [tokens of this TP rank, experts])
+        for router in routers(engine.model):
+            router.register_forward_hook(lambda r, args, out: chosen.append((r.layer_number, out[1])))
+        batch = {**packed(), ROUTED_EXPERTS: recorded_routing(model_dir, packed())}
+        one_mb = MicroBatchSpec(max_tokens_per_mb=1000)
+        engine.logprobs(batch, 1.0, one_mb)
+        step = engine.train_minibatch(micro_batches(batch, one_mb), nll)
+        routed = torch.from_numpy(batch[ROUTED_EXPERTS])
+        torch.save({"chosen": chosen, "step": step, "routed": routed}, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_replay_routes_as_the_servers_did_after_the_weights_moved(tiny_moe_dir, tmp_path, tp):
+    results = {}
+    for mode in ("rollout", "off"):
+        prefix = str(tmp_path / f"{mode}-rank")
+        mp.spawn(_replay_rank, args=(tp, mode, str(tiny_moe_dir), prefix), nprocs=tp)
+        results[mode] = [torch.load(f"{prefix}.{r}") for r in range(tp)]
+    for mode, ranks in results.items():
+        for tp_rank, rank in enumerate(ranks):
+            routed = rank["routed"].long()
+            for layer, routing_map in rank["chosen"]:  # the logprob pass and the training pass
+                rows = routed[:, layer - 1]
+                rows = torch.cat([rows, torch.arange(2).expand(-len(rows) % tp, -1)]).chunk(tp)[tp_rank]
+                recorded = torch.zeros_like(routing_map).scatter_(1, rows, True)
+                same = (routing_map == recorded).all(-1)[: len(routed) // tp]  # the real tokens
+                if mode == "rollout":
+                    assert same.all()
+                else:  # the reversed routers choose other experts for most tokens
+                    assert same.float().mean() < 0.5
+    assert (
+        results["rollout"][0]["step"]["moe/replay_mismatch"] > 0.5
+    )  # the router would have chosen otherwise
+    assert "moe/replay_mismatch" not in results["off"][0]["step"]

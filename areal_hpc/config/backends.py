@@ -36,6 +36,7 @@ TRAIN_BACKENDS = {
         tensor_parallel=True,
         pipeline_parallel=True,
         expert_parallel=True,
+        router_replay=True,
         value_model=False,
     ),
 }

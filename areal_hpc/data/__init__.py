@@ -9,6 +9,7 @@ sft      supervised warm-up sequences (prompt + reference solution)
 
 from areal_hpc.data.batch import (
     CU,
+    ROUTED_EXPERTS,
     BatchError,
     gather,
     read_attrs,
@@ -37,6 +38,7 @@ from areal_hpc.data.store import RolloutStore
 
 __all__ = [
     "CU",
+    "ROUTED_EXPERTS",
     "BatchError",
     "CodeTests",
     "CodeTestsError",

@@ -22,9 +22,9 @@ import numpy as np
 
 CU = "cu_seqlens"
 GROUPS = "group_ids"  # per sequence: its prompt's group, numbered within its file
-# Per-token keys with rows of their own shape, and their number of dimensions: [T, layers, top_k] expert ids
-# (gen.routing.BATCH_KEY; data cannot import gen, tests/test_routed_experts.py checks they agree).
-TOKEN_ROWS = {"packed_routed_experts": 3}
+ROUTED_EXPERTS = "packed_routed_experts"  # [T, layers, top_k]: row t = the experts of token t's forward
+# Per-token keys with rows of their own shape, and their number of dimensions.
+TOKEN_ROWS = {ROUTED_EXPERTS: 3}
 
 
 class BatchError(ValueError):

@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.data import ROUTED_EXPERTS as ROUTED_EXPERTS_KEY
 from areal_hpc.gen.client import ROUTED_EXPERTS, GenServerError
 
-BATCH_KEY = "packed_routed_experts"  # [T, layers, top_k]: row t = the experts of token t's forward
+BATCH_KEY = ROUTED_EXPERTS_KEY
 UINT8_EXPERTS = 256  # expert ids 0..255 fit a byte
 
 

@@ -15,9 +15,10 @@ from areal_hpc.config import ExperimentConfig
 
 # Keys a step's prompts bring before any call runs.
 DATASET_KEYS = ("packed_prompts", "task_ids")
-# Keys the rollout writes for some episodes only (the weight version of each sampled token: multi-turn episodes);
-# a call reads them where every sample of its batch has them and does not wait for them.
-OPTIONAL_KEYS = ("token_versions",)
+# Keys the rollout writes for some episodes or runs only (the weight version of each sampled token: multi-turn
+# episodes; each token's routed experts: actor.router_replay rollout); a call reads them where every sample of its
+# batch has them and does not wait for them.
+OPTIONAL_KEYS = ("token_versions", "packed_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ _TRAIN_INPUTS = (
     "version_end",
     "token_versions",
 )
+_ACTOR_TRAIN_INPUTS = ("task_ids", "packed_teacher_logprobs", *_TRAIN_INPUTS, "packed_routed_experts")
 
 ALL_MFCS = (
     MFC(
@@ -62,6 +64,7 @@ ALL_MFCS = (
             "version_start",
             "version_end",
             "token_versions",
+            "packed_routed_experts",
         ),
     ),
     MFC(
@@ -73,9 +76,15 @@ ALL_MFCS = (
     ),
     MFC("ref_inf", "ref", "inference", ("packed_input_ids",), ("packed_ref_logprobs",)),
     MFC("teacher_inf", "teacher", "inference", ("packed_input_ids",), ("packed_teacher_logprobs",)),
-    MFC("actor_inf", "actor", "inference", ("packed_input_ids",), ("proximal_logprobs",)),
+    MFC(
+        "actor_inf",
+        "actor",
+        "inference",
+        ("packed_input_ids", "packed_routed_experts"),
+        ("proximal_logprobs",),
+    ),
     MFC("critic_inf", "critic", "inference", ("packed_input_ids", "seq_no_eos_mask"), ("values",)),
-    MFC("actor_train", "actor", "train_step", ("task_ids", "packed_teacher_logprobs", *_TRAIN_INPUTS), ()),
+    MFC("actor_train", "actor", "train_step", _ACTOR_TRAIN_INPUTS, ()),
     MFC("critic_train", "critic", "train_step", _TRAIN_INPUTS, ()),
 )
 ROLLOUT_MFCS = ("actor_gen", "rew_inf")  # run by the rollout side, not by trainer ranks

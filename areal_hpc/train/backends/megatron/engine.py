@@ -41,9 +41,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from areal_hpc.algo import align_next_token
 from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.data import CU, select
+from areal_hpc.data import ROUTED_EXPERTS as ROUTED
 from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
-from areal_hpc.train.backends.megatron import convert, moe
+from areal_hpc.train.backends.megatron import convert, moe, replay
 from areal_hpc.train.backends.megatron.model import (
     PackedRope,
     build_model,
@@ -132,7 +133,12 @@ class MegatronEngine:
             self.groups = model_groups(tensor, pipeline, self.trainable, expert, seed)
             self.layout = layout_of(self.groups)
             recompute = self.trainable and getattr(model_cfg, "gradient_checkpointing", False)
-            self.config = transformer_config(self.hf, self.dtype, tensor, pipeline, recompute, expert)
+            replaying = getattr(model_cfg, "router_replay", "off") == "rollout"
+            if replaying and recompute and pipeline > 1:  # recomputation would replay a later micro-batch's
+                raise NotImplementedError("routing replay with gradient checkpointing needs pipeline size 1")
+            self.config = transformer_config(
+                self.hf, self.dtype, tensor, pipeline, recompute, expert, replay=replaying
+            )
             self.moe = moe.MoeStats(self.hf, self.config) if self.config.num_moe_experts else None
             self.model = build_model(self.hf, self.config, self.layout, self.groups).to(self.device)
             self.load_hf(self.source_dir)
@@ -140,6 +146,7 @@ class MegatronEngine:
                 compile_pointwise(self.model)
             if self.moe is not None:
                 self.moe.watch(self.model)
+            self.routers = replay.routers(self.model) if self.config.moe_enable_routing_replay else []
             self.tp_group, self.dp_group = self.groups.tp, self.groups.dp
             self._views = None  # hf_weights' views of the parameters (TP, PP and EP size 1)
             self.optimizer = self.ddp = None
@@ -237,6 +244,9 @@ class MegatronEngine:
             if self.config.sequence_parallel:
                 ids, cu = moe.pad_to_multiple(ids, cu, self.layout.tp)
             mask = moe.padding_mask(len(mb["packed_input_ids"]), len(ids), self.layout)
+            if self.routers:  # route as the generation servers did
+                routed = mb.get(ROUTED)
+                replay.set_routing(self.routers, routed, len(ids), self.layout, self.config.sequence_parallel)
             positions, packed = packed_params(cu, self.hf, self.dtype)
             hidden = net(
                 ids[None], positions[None], None, packed_seq_params=packed,
@@ -289,6 +299,8 @@ class MegatronEngine:
     def logprobs(self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec):
         """Token-aligned float32 logprobs (T) of ``packed_input_ids``; 0 at each sequence's first token."""
         inputs = {CU: batch[CU], "packed_input_ids": batch["packed_input_ids"]}
+        if self.routers and ROUTED in batch:
+            inputs[ROUTED] = batch[ROUTED]
         groups = micro_batch_groups(seq_lengths(batch), mb_spec)
         mbs = [to_torch(select(inputs, g), self.device) for g in groups]
         self.model.eval()

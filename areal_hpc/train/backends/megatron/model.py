@@ -50,7 +50,7 @@ def head_dim(hf: dict[str, Any]) -> int:
     return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
 
-def moe_fields(hf: dict[str, Any], tp: int, ep: int) -> dict[str, Any]:
+def moe_fields(hf: dict[str, Any], tp: int, ep: int, replay: bool = False) -> dict[str, Any]:
     """TransformerConfig's mixture-of-experts fields of the HF config ``hf`` (none for a dense model).
 
     - Routing: HF takes the softmax over all experts, then the top k, renormalised if ``norm_topk_prob``; the
@@ -77,11 +77,18 @@ def moe_fields(hf: dict[str, Any], tp: int, ep: int) -> dict[str, Any]:
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
         sequence_parallel=tp > 1,
+        moe_enable_routing_replay=replay,  # each router gets a RouterReplay (train.backends.megatron.replay)
     )
 
 
 def transformer_config(
-    hf: dict[str, Any], dtype: torch.dtype, tp: int = 1, pp: int = 1, recompute: bool = False, ep: int = 1
+    hf: dict[str, Any],
+    dtype: torch.dtype,
+    tp: int = 1,
+    pp: int = 1,
+    recompute: bool = False,
+    ep: int = 1,
+    replay: bool = False,
 ) -> TransformerConfig:
     """Megatron's config of the HF model ``hf`` (its config.json) at tensor size ``tp``, pipeline size ``pp`` and
     expert size ``ep``.
@@ -126,7 +133,7 @@ def transformer_config(
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         calculate_per_token_loss=True,  # our losses come normalised: Megatron must not divide them again
-        **moe_fields(hf, tp, ep),
+        **moe_fields(hf, tp, ep, replay),
     )
     # Every packed micro-batch has its own length: stages send their shapes first. Set after the checks,
     # which refuse it for the all-gather MoE dispatcher (not the all-to-all one used here).

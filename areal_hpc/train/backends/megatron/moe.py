@@ -22,6 +22,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from areal_hpc.train import dist
+from areal_hpc.train.backends.megatron import replay
 from areal_hpc.train.backends.megatron.convert import moe_layer
 
 # megatron-core 0.16 leaves this name undefined without Transformer Engine, and the router's linear layer reads it.
@@ -58,8 +59,9 @@ def most_micro_batches(count: int, group) -> int:
 
 
 class MoeStats:
-    """Per optimizer step: sets the auxiliary coefficients, counts each sparse layer's routed tokens (forward
-    hooks on the routers), and reports ``moe/*`` statistics over all ranks."""
+    """Per optimizer step: sets the auxiliary coefficients, counts each sparse layer's routed tokens and, under
+    routing replay, the tokens whose replayed experts the router would not have chosen (forward hooks on the
+    routers), and reports ``moe/*`` statistics over all ranks."""
 
     def __init__(self, hf: dict[str, Any], config: TransformerConfig):
         self.config = config
@@ -70,6 +72,9 @@ class MoeStats:
         )  # one loss per layer, summed: HF's scale over all of them
         self.z_coef = hf.get("router_z_loss_coef") or 0.0
         self.counts = torch.zeros(hf["num_hidden_layers"], config.num_moe_experts, dtype=torch.float64)
+        self.replayed = torch.zeros(
+            2, dtype=torch.float64
+        )  # tokens x layers replayed, of them chosen otherwise
         self.counting = False
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -83,9 +88,11 @@ class MoeStats:
         if self.counting:
             _, routing_map = output
             mask = args[1] if len(args) > 1 else None  # [tokens, 1]: the real tokens (padding_mask)
-            if mask is not None:
-                routing_map = routing_map[mask.reshape(-1)]
-            self.counts[router.layer_number - 1] += routing_map.sum(0).to(self.counts)
+            real = slice(None) if mask is None else mask.reshape(-1)
+            self.counts[router.layer_number - 1] += routing_map[real].sum(0).to(self.counts)
+            if replay.replaying(router):  # padding is not recorded
+                differs = replay.own_choice_differs(router, args[0], routing_map)
+                self.replayed += torch.tensor([differs.numel(), differs.sum().item()], dtype=torch.float64)
 
     def start_step(self, local_tokens: int, dp_group) -> None:
         """Before a step's schedule: the coefficients over the step's tokens on all data-parallel ranks."""
@@ -98,6 +105,7 @@ class MoeStats:
         self.config.moe_z_loss_coeff = self.z_coef / max(tokens, 1.0) if self.z_coef else None
         clear_aux_losses_tracker()
         self.counts.zero_()
+        self.replayed.zero_()
         self.counting = True
 
     def end_step(self, groups, micro_batches: int) -> dict[str, float]:
@@ -112,16 +120,19 @@ class MoeStats:
         last_stage = groups.pp.rank() == groups.pp.size() - 1  # where the results are
         replicas = float(groups.tp.rank() == 0 and last_stage) * micro_batches
         summed = dist.all_reduce_sum(
-            torch.cat([losses.flatten(), self.counts.flatten(), torch.tensor([replicas])])
+            torch.cat([losses.flatten(), self.counts.flatten(), self.replayed, torch.tensor([replicas])])
         )
-        n_losses = losses.numel()
+        n_losses, n_counts = losses.numel(), self.counts.numel()
         losses = summed[:n_losses].view_as(losses)[:, self.sparse] / max(float(summed[-1]), 1.0)
-        counts = summed[n_losses:-1].view_as(self.counts)[self.sparse]
+        counts = summed[n_losses : n_losses + n_counts].view_as(self.counts)[self.sparse]
+        replayed, differ = summed[n_losses + n_counts : -1].tolist()
         imbalance = counts.max(1).values / counts.mean(1).clamp(min=1e-9)
         stats = {
             f"moe/load_imbalance/layer{i}": float(x) for i, x in zip(self.sparse, imbalance, strict=True)
         }
         stats["moe/load_imbalance"] = float(imbalance.mean())
+        if replayed:  # the share of (token, layer) routings the trainer would have made otherwise
+            stats["moe/replay_mismatch"] = differ / replayed
         coefficients = {"load_balancing_loss": self.aux_coef, "z_loss": self.z_coef}
         for row, (name, key) in enumerate(LOSSES.items()):
             if coefficients[name]:
