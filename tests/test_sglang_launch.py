@@ -24,6 +24,12 @@ CASES = {
     "qwen3-1.7b-32gpu": (["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"], [], 8),
     "qwen2.5-32b-64gpu-megatron": (["qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"], [], 8),
     "qwen3-1.7b-1gpu-colocated": (["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"], [], 1),
+    "qwen3-30b-a3b-16gpu-megatron": (["qwen3-1.7b-8gpu.yaml", "qwen3-30b-a3b-16gpu-megatron.yaml"], [], 8),
+    "qwen3-235b-a22b-128gpu-megatron": (
+        ["qwen3-1.7b-8gpu.yaml", "qwen3-235b-a22b-128gpu-megatron.yaml"],
+        [],
+        8,
+    ),
     # servers of tensor size 16 on two nodes each, a task per node (not a shipped config)
     "sglang-tp16-two-nodes": (
         ["qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"],
