@@ -244,11 +244,16 @@ def test_a_trained_token_without_a_version_is_refused(tiny_model_dir, trained_ba
                          global_step=5)  # fmt: skip
 
 
-def test_token_versions_are_an_optional_input_of_the_train_calls():
+def test_token_versions_and_routed_experts_are_optional_inputs_of_the_train_calls():
     actor_gen, actor_train = ALL_MFCS[0], next(m for m in ALL_MFCS if m.name == "actor_train")
-    assert "token_versions" in actor_gen.outputs and "token_versions" in actor_train.inputs
-    assert "token_versions" not in awaited(actor_train).inputs
-    assert awaited(actor_train).inputs == tuple(k for k in actor_train.inputs if k != "token_versions")
+    optional = ("token_versions", "packed_routed_experts")  # multi-turn episodes; routing replay
+    for key in optional:
+        assert key in actor_gen.outputs and key in actor_train.inputs
+    assert awaited(actor_train).inputs == tuple(k for k in actor_train.inputs if k not in optional)
+    actor_inf = next(
+        m for m in ALL_MFCS if m.name == "actor_inf"
+    )  # recomputed logprobs replay the routing too
+    assert awaited(actor_inf).inputs == ("packed_input_ids",) != actor_inf.inputs
 
 
 # --- the master: groups of variable size ----------------------------------------------------------------------

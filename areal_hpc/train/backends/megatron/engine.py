@@ -207,6 +207,11 @@ class MegatronEngine:
             ),
             [self.ddp],
         )
+        if self.moe is not None:  # the experts' optimizer, built after the dense one
+            # megatron-core gives it the attention's TP group, and its gradient norm then skips the experts of
+            # TP ranks > 0 as copies of rank 0's; with expert tensor size 1 every rank's experts are its own.
+            dense, experts = self.optimizer.chained_optimizers
+            experts.tp_group = self.groups.expt_tp
         self._set_lr()
 
     def _set_lr(self) -> None:
@@ -245,8 +250,9 @@ class MegatronEngine:
                 ids, cu = moe.pad_to_multiple(ids, cu, self.layout.tp)
             mask = moe.padding_mask(len(mb["packed_input_ids"]), len(ids), self.layout)
             if self.routers:  # route as the generation servers did
-                routed = mb.get(ROUTED)
-                replay.set_routing(self.routers, routed, len(ids), self.layout, self.config.sequence_parallel)
+                replay.set_routing(
+                    self.routers, mb.get(ROUTED), len(ids), self.layout, self.config.sequence_parallel
+                )
             positions, packed = packed_params(cu, self.hf, self.dtype)
             hidden = net(
                 ids[None], positions[None], None, packed_seq_params=packed,
@@ -453,7 +459,7 @@ class MegatronEngine:
         for name, param in self.model.named_parameters():
             if getattr(param, "allreduce", True):
                 model[f"{self._tag}/{name}"] = param.detach()
-            else:  # experts split over expert-parallel ranks: each holds others
+            else:  # experts split over the expert-parallel ranks: each rank holds others
                 experts[f"{self._tag}-ep{self.layout.ep_rank}of{self.layout.ep}/{name}"] = param.detach()
         optimizer = {}
         for name, inner, param in self._adam_params() if self.optimizer is not None else ():

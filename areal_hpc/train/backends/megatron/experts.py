@@ -40,11 +40,12 @@ class GroupedExperts(MegatronModule):
         make = dict(dtype=config.params_dtype, device=device)
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, 2 * inner, hidden, **make))
         self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, inner, **make))
-        expert_parallel = config.expert_model_parallel_size > 1
         for weight in (self.fc1_weight, self.fc2_weight):
             # Megatron's DDP and optimizer reduce and shard a weight with allreduce False over the expert
-            # data-parallel group (the ranks holding the same experts), not the whole data-parallel group.
-            weight.allreduce = not expert_parallel
+            # data-parallel group: all ranks holding the same experts. That is the data-parallel group only
+            # without expert and tensor parallelism: with TP (sequence parallel) each TP rank computes its
+            # tokens' share of the gradient, which the data-parallel group alone would not sum.
+            weight.allreduce = False
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         counts = tokens_per_expert.tolist()
