@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.config import moe_experts
 from areal_hpc.data import ROUTED_EXPERTS as ROUTED_EXPERTS_KEY
 from areal_hpc.gen.client import ROUTED_EXPERTS, GenServerError
 
@@ -64,7 +65,7 @@ def model_shape(model_path: str) -> Shape:
 def _shape_of_file(config_file: str) -> Shape:
     hf = json.loads(Path(config_file).read_text())
     hf = hf.get("text_config", hf)  # a multimodal config: its language model's, as SGLang's hf_text_config
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    experts = moe_experts(hf)
     if not experts or not hf.get("num_experts_per_tok"):
         raise ValueError(
             f"{config_file} is a dense model (no experts): routing replay needs a mixture of experts"
