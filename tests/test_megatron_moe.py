@@ -180,7 +180,8 @@ def recorded_routing(model_dir, batch) -> np.ndarray:
     )
 
 
-def _replay_rank(rank, world, mode, model_dir, out):
+def _replay_rank(rank, world, layout, mode, model_dir, out):
+    tp, pp, recompute = layout
     torch.set_num_threads(1)
     dist.init_distributed(rank, world, f"{out}.init", backend="gloo", timeout_s=300)
     try:
@@ -188,45 +189,61 @@ def _replay_rank(rank, world, mode, model_dir, out):
         from areal_hpc.train.backends.megatron.replay import routers
 
         cfg = ActorConfig(
-            path=model_dir, dtype="float32", router_replay=mode, optimizer=OptimizerConfig(lr=1e-3)
-        )
-        engine = MegatronEngine(cfg, 10, tensor=world)
+            path=model_dir, dtype="float32", router_replay=mode, gradient_checkpointing=recompute,
+            optimizer=OptimizerConfig(lr=1e-3),
+        )  # fmt: skip
+        engine = MegatronEngine(cfg, 10, tensor=tp, pipeline=pp)
         moved = load_file(f"{model_dir}/model.safetensors")  # the weights moved since the servers routed:
         engine.load_weights((n, -t if n.endswith("mlp.gate.weight") else t) for n, t in moved.items())
-        chosen = []  # each router's choice: (layer, [tokens of this TP rank, experts])
+        chosen = []  # each router call's choice: (layer, [tokens of this TP rank, experts])
         for router in routers(engine.model):
             router.register_forward_hook(lambda r, args, out: chosen.append((r.layer_number, out[1])))
         batch = {**packed(), ROUTED_EXPERTS: recorded_routing(model_dir, packed())}
-        one_mb = MicroBatchSpec(max_tokens_per_mb=1000)
-        engine.logprobs(batch, 1.0, one_mb)
-        step = engine.train_minibatch(micro_batches(batch, one_mb), nll)
-        routed = torch.from_numpy(batch[ROUTED_EXPERTS])
-        torch.save({"chosen": chosen, "step": step, "routed": routed}, f"{out}.{rank}")
+        engine.logprobs(batch, 1.0, MicroBatchSpec(max_tokens_per_mb=1000))  # one micro-batch
+        mbs = micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=16))  # several, pipelined
+        step = engine.train_minibatch(mbs, nll)
+        recorded = [torch.from_numpy(b[ROUTED_EXPERTS]).long() for b in [batch, *mbs]]
+        torch.save({"chosen": chosen, "step": step, "recorded": recorded}, f"{out}.{rank}")
         dist.barrier()
     finally:
         dist.destroy()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_replay_routes_as_the_servers_did_after_the_weights_moved(tiny_moe_dir, tmp_path, tp):
+def routed_like_one_of(routing_map, layer, recorded, tp, tp_rank) -> bool:
+    """Whether a router call's ``routing_map`` (this TP rank's tokens) is the recorded routing of one of the
+    micro-batches (``recorded``: each one's [T, layers, k]) on its real tokens."""
+    for routed in recorded:
+        rows = torch.cat([routed[:, layer - 1], torch.arange(2).expand(-len(routed) % tp, -1)])
+        rows = rows.chunk(tp)[tp_rank] if tp > 1 else rows
+        if len(rows) != len(routing_map):
+            continue
+        real = min(len(rows), max(0, len(routed) - tp_rank * len(rows)))
+        expected = torch.zeros_like(routing_map).scatter_(1, rows, True)
+        if torch.equal(routing_map[:real], expected[:real]):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("layout", [(1, 1, False), (2, 1, False), (1, 2, True)])  # (tp, pp, recomputation)
+def test_replay_routes_as_the_servers_did_after_the_weights_moved(tiny_moe_dir, tmp_path, layout):
+    tp, pp, recompute = layout
     results = {}
     for mode in ("rollout", "off"):
         prefix = str(tmp_path / f"{mode}-rank")
-        mp.spawn(_replay_rank, args=(tp, mode, str(tiny_moe_dir), prefix), nprocs=tp)
-        results[mode] = [torch.load(f"{prefix}.{r}") for r in range(tp)]
+        mp.spawn(_replay_rank, args=(tp * pp, layout, mode, str(tiny_moe_dir), prefix), nprocs=tp * pp)
+        results[mode] = [torch.load(f"{prefix}.{r}") for r in range(tp * pp)]
     for mode, ranks in results.items():
-        for tp_rank, rank in enumerate(ranks):
-            routed = rank["routed"].long()
-            for layer, routing_map in rank["chosen"]:  # the logprob pass and the training pass
-                rows = routed[:, layer - 1]
-                rows = torch.cat([rows, torch.arange(2).expand(-len(rows) % tp, -1)]).chunk(tp)[tp_rank]
-                recorded = torch.zeros_like(routing_map).scatter_(1, rows, True)
-                same = (routing_map == recorded).all(-1)[: len(routed) // tp]  # the real tokens
-                if mode == "rollout":
-                    assert same.all()
-                else:  # the reversed routers choose other experts for most tokens
-                    assert same.float().mean() < 0.5
-    assert (
-        results["rollout"][0]["step"]["moe/replay_mismatch"] > 0.5
-    )  # the router would have chosen otherwise
-    assert "moe/replay_mismatch" not in results["off"][0]["step"]
+        for rank_index, rank in enumerate(ranks):
+            # every call: the logprob pass, each micro-batch's training forward and its recomputation
+            replayed = [
+                routed_like_one_of(routing_map, layer, rank["recorded"], tp, rank_index % tp)
+                for layer, routing_map in rank["chosen"]
+            ]
+            n_mbs = len(rank["recorded"]) - 1  # the training micro-batches, after the logprob pass's one
+            assert len(replayed) == 2 // pp * (1 + n_mbs * (2 if recompute else 1))
+            if mode == "rollout":
+                assert all(replayed)
+            else:  # the reversed routers choose other experts
+                assert not any(replayed)
+    assert results["rollout"][-1]["step"]["moe/replay_mismatch"] > 0.5  # the router would choose otherwise
+    assert "moe/replay_mismatch" not in results["off"][-1]["step"]

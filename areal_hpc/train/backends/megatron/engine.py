@@ -134,8 +134,6 @@ class MegatronEngine:
             self.layout = layout_of(self.groups)
             recompute = self.trainable and getattr(model_cfg, "gradient_checkpointing", False)
             replaying = getattr(model_cfg, "router_replay", "off") == "rollout"
-            if replaying and recompute and pipeline > 1:  # recomputation would replay a later micro-batch's
-                raise NotImplementedError("routing replay with gradient checkpointing needs pipeline size 1")
             self.config = transformer_config(
                 self.hf, self.dtype, tensor, pipeline, recompute, expert, replay=replaying
             )
@@ -146,7 +144,12 @@ class MegatronEngine:
                 compile_pointwise(self.model)
             if self.moe is not None:
                 self.moe.watch(self.model)
-            self.routers = replay.routers(self.model) if self.config.moe_enable_routing_replay else []
+            self.replayer = None  # routes as the generation servers did
+            if self.config.moe_enable_routing_replay:
+                sp = self.config.sequence_parallel
+                self.replayer = self.moe.replayer = replay.Replayer(
+                    replay.routers(self.model), self.layout, sp
+                )
             self.tp_group, self.dp_group = self.groups.tp, self.groups.dp
             self._views = None  # hf_weights' views of the parameters (TP, PP and EP size 1)
             self.optimizer = self.ddp = None
@@ -249,10 +252,8 @@ class MegatronEngine:
             if self.config.sequence_parallel:
                 ids, cu = moe.pad_to_multiple(ids, cu, self.layout.tp)
             mask = moe.padding_mask(len(mb["packed_input_ids"]), len(ids), self.layout)
-            if self.routers:  # route as the generation servers did
-                replay.set_routing(
-                    self.routers, mb.get(ROUTED), len(ids), self.layout, self.config.sequence_parallel
-                )
+            if self.replayer is not None:
+                self.replayer.add(mb.get(ROUTED), len(ids))
             positions, packed = packed_params(cu, self.hf, self.dtype)
             hidden = net(
                 ids[None], positions[None], None, packed_seq_params=packed,
@@ -271,6 +272,8 @@ class MegatronEngine:
         pipeline = (
             {"p2p_communicator": P2PCommunicator(self.groups.pp, self.config)} if self.layout.pp > 1 else {}
         )
+        if self.replayer is not None:
+            self.replayer.start()
         if self.layout.ep > 1:  # every rank of an expert-parallel group runs as many micro-batches
             mbs = mbs + [self._empty_mb()] * (moe.most_micro_batches(len(mbs), self.groups.dp) - len(mbs))
         with on_device():
@@ -305,7 +308,7 @@ class MegatronEngine:
     def logprobs(self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec):
         """Token-aligned float32 logprobs (T) of ``packed_input_ids``; 0 at each sequence's first token."""
         inputs = {CU: batch[CU], "packed_input_ids": batch["packed_input_ids"]}
-        if self.routers and ROUTED in batch:
+        if self.replayer is not None and ROUTED in batch:
             inputs[ROUTED] = batch[ROUTED]
         groups = micro_batch_groups(seq_lengths(batch), mb_spec)
         mbs = [to_torch(select(inputs, g), self.device) for g in groups]

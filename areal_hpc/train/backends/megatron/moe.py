@@ -76,6 +76,7 @@ class MoeStats:
             2, dtype=torch.float64
         )  # tokens x layers replayed, of them chosen otherwise
         self.counting = False
+        self.replayer: replay.Replayer | None = None  # set under routing replay
 
     def watch(self, model: torch.nn.Module) -> None:
         """Count the tokens each router of ``model`` sends to each expert while a training step runs (twice
@@ -90,8 +91,8 @@ class MoeStats:
             mask = args[1] if len(args) > 1 else None  # [tokens, 1]: the real tokens (padding_mask)
             real = slice(None) if mask is None else mask.reshape(-1)
             self.counts[router.layer_number - 1] += routing_map[real].sum(0).to(self.counts)
-            if replay.replaying(router):  # padding is not recorded
-                differs = replay.own_choice_differs(router, args[0], routing_map)
+            if self.replayer is not None:  # padding is not recorded
+                differs = self.replayer.own_choice_differs(router, args[0], routing_map)
                 self.replayed += torch.tensor([differs.numel(), differs.sum().item()], dtype=torch.float64)
 
     def start_step(self, local_tokens: int, dp_group) -> None:
@@ -112,6 +113,7 @@ class MoeStats:
         """After a step of ``micro_batches`` on this rank: the statistics over all ranks (a collective of the
         whole trainer group). The losses are means over the layers and the micro-batches of every replica."""
         self.counting = False
+        self.replayer: replay.Replayer | None = None  # set under routing replay
         tracker = get_moe_layer_wise_logging_tracker()
         losses = torch.zeros(len(LOSSES), self.counts.shape[0], dtype=torch.float64)
         for row, name in enumerate(LOSSES):

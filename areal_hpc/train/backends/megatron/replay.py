@@ -3,11 +3,13 @@ the generation server routed it to (the batch's ``packed_routed_experts``), so t
 gradients are those of the policy that sampled, not of another mixture of experts.
 
 megatron-core's router takes the replayed top-k (``RouterReplay``, REPLAY_FORWARD) and weights them with its own
-probabilities, so gradients still reach the router. Its instances are set here router by router, per
-micro-batch, from this model's routers only (megatron-core's own helpers set every router of the process).
+probabilities, so gradients still reach the router. Its instances are set here router by router, per forward,
+for this model's routers only (megatron-core's own helpers set every router of the process).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -40,40 +42,60 @@ def local_rows(
     return rows.chunk(layout.tp)[layout.tp_rank] if sequence_parallel else rows
 
 
-def set_routing(
-    model_routers: list[TopKRouter],
-    routed: torch.Tensor | None,
-    tokens: int,
-    layout: Layout,
-    sequence_parallel: bool,
-) -> None:
-    """Before a micro-batch's forward: each router replays its layer's column of ``routed [T, layers, k]``
-    (None: the routers choose, as for a padding micro-batch)."""
-    for router in model_routers:
-        replay = router.router_replay
-        replay.clear_indices()  # its backward list would grow a micro-batch at a time
-        if routed is None:
-            replay.clear_router_replay_action()
-            continue
-        chosen = routed[:, router.layer_number - 1].long()
-        recorded = recorded_rows(chosen)
-        # A row the server did not record routes to experts 0..k-1: such a token's output is never trained on.
-        first_k = torch.arange(chosen.shape[-1], device=chosen.device)
-        chosen = torch.where(recorded[:, None], chosen, first_k)
-        replay.set_target_indices(local_rows(chosen, tokens, layout, sequence_parallel, first_k))
-        replay.recorded = local_rows(recorded, tokens, layout, sequence_parallel, False)  # for statistics
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+class Replayer:
+    """The routing of this model's routers, micro-batch by micro-batch.
 
+    ``add`` queues a micro-batch's routing before its forward; each router takes it in a forward pre-hook: a
+    forward without gradients (logprobs, or the first pass of a recomputed layer) the latest one, a forward
+    with gradients (training, or the recomputation of a layer in the backward pass) the oldest one not yet
+    taken. Recomputation runs the micro-batches in the order their forwards ran (also under 1F1B pipelining),
+    so each takes its own."""
 
-def replaying(router: TopKRouter) -> bool:
-    replay = router.router_replay
-    return replay is not None and replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+    def __init__(self, model_routers: list[TopKRouter], layout: Layout, sequence_parallel: bool):
+        self.layout, self.sequence_parallel = layout, sequence_parallel
+        self.queues = {router: collections.deque() for router in model_routers}
+        self.latest: dict[TopKRouter, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.recorded: dict[
+            TopKRouter, torch.Tensor
+        ] = {}  # the rows the server recorded, of the last forward
+        for router in model_routers:
+            router.register_forward_pre_hook(self._take)
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
+    def start(self) -> None:
+        """Before a schedule: nothing left from the last one (forwards without gradients take nothing)."""
+        for queue in self.queues.values():
+            queue.clear()
 
-def own_choice_differs(router: TopKRouter, hidden: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-    """For each token the server recorded, whether the router's own top-k on ``hidden`` differs from the
-    experts it was made to route to (``routing_map [T, E]``)."""
-    with torch.no_grad():
-        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
-        own = torch.zeros_like(routing_map).scatter_(1, logits.topk(router.topk, dim=-1).indices, True)
-        return (own != routing_map).any(-1)[router.router_replay.recorded]
+    def add(self, routed: torch.Tensor | None, tokens: int) -> None:
+        """A micro-batch of ``tokens`` (padded) routed as ``routed [T, layers, k]``; None: a padding micro-batch,
+        which trains nothing (its tokens go to experts 0..k-1)."""
+        for router, queue in self.queues.items():
+            k = router.topk
+            if routed is None:
+                chosen = torch.zeros(0, k, dtype=torch.long)
+            else:
+                chosen = routed[:, router.layer_number - 1].long()
+            recorded = recorded_rows(chosen)
+            # A row the server did not record goes to experts 0..k-1: such a token's output is never trained on.
+            first_k = torch.arange(k, device=chosen.device)
+            chosen = torch.where(recorded[:, None], chosen, first_k)
+            local = (
+                local_rows(chosen, tokens, self.layout, self.sequence_parallel, first_k),
+                local_rows(recorded, tokens, self.layout, self.sequence_parallel, False),
+            )
+            queue.append(local)
+            self.latest[router] = local
+
+    def _take(self, router: TopKRouter, args) -> None:
+        chosen, recorded = self.queues[router].popleft() if torch.is_grad_enabled() else self.latest[router]
+        router.router_replay.target_topk_idx = chosen.to(args[0].device)
+        self.recorded[router] = recorded.to(args[0].device)
+
+    def own_choice_differs(self, router: TopKRouter, hidden: torch.Tensor, routing_map: torch.Tensor):
+        """For each token the server recorded, whether the router's own top-k on ``hidden`` differs from the
+        experts it was made to route to (``routing_map [T, E]``)."""
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
+            own = torch.zeros_like(routing_map).scatter_(1, logits.topk(router.topk, dim=-1).indices, True)
+            return (own != routing_map).any(-1)[self.recorded[router]]
