@@ -36,12 +36,12 @@ def hf_of(model_dir) -> dict:
 @pytest.fixture(scope="module")
 def qwen2_moe_dir(tmp_path_factory):
     """A random Qwen2-MoE: 8 experts, top 2 without renormalisation, a gated shared expert, layer 1 dense, the
-    load-balancing loss on."""
+    load-balancing loss and a router z-loss on (no Qwen config sets one; transformers keeps the key)."""
     config = Qwen2MoeConfig(
         vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
         shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
-        output_router_logits=True, router_aux_loss_coef=0.01, tie_word_embeddings=True,
+        output_router_logits=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001, tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2MoeForCausalLM(config)
@@ -151,18 +151,18 @@ def test_save_hf_writes_every_expert_for_transformers(tiny_runs):
         torch.testing.assert_close(saved[name], tensor, atol=1e-6, rtol=0)
 
 
-def test_shared_expert_dense_layer_and_balancing_loss_at_ep2_equal_one_rank(qwen2_moe_dir, tmp_path):
+def test_shared_expert_dense_layer_and_auxiliary_losses_at_ep2_equal_one_rank(qwen2_moe_dir, tmp_path):
     """One sequence per micro-batch, so that each micro-batch's balancing loss is the same on either layout."""
     expected = alone(qwen2_moe_dir, packed(), 1.0)
     one, *_ = run(qwen2_moe_dir, tmp_path, (1, 1, 1), mb_tokens=1)
     many = run(qwen2_moe_dir, tmp_path, (1, 1, 2), mb_tokens=1)
     for rank in [one, *many]:
         torch.testing.assert_close(rank["before"], expected, atol=1e-5, rtol=0)
-    assert one["step"]["moe/load_balancing_loss"] > 0
+    assert one["step"]["moe/load_balancing_loss"] > 0 and one["step"]["moe/z_loss"] > 0
     assert list(k for k in one["step"] if "layer" in k) == ["moe/load_imbalance/layer0"]  # layer 1 is dense
     assert sum(rank["step"]["loss"] for rank in many) == pytest.approx(one["step"]["loss"], rel=1e-6)
     for rank in many:
-        for key in ("grad_norm", "moe/load_balancing_loss", "moe/load_imbalance"):
+        for key in ("grad_norm", "moe/load_balancing_loss", "moe/z_loss", "moe/load_imbalance"):
             assert rank["step"][key] == pytest.approx(one["step"][key], rel=1e-5), key
         torch.testing.assert_close(rank["after"], one["after"], atol=1e-5, rtol=0)
 
