@@ -67,14 +67,12 @@ class MoeStats:
         self.config = config
         self.sparse = [i for i in range(hf["num_hidden_layers"]) if moe_layer(hf, i)]
         balancing = hf.get("router_aux_loss_coef", 0.0) if hf.get("output_router_logits") else 0.0
-        self.aux_coef = balancing / len(
-            self.sparse
-        )  # one loss per layer, summed: HF's scale over all of them
+        # Megatron sums one loss per layer; HF's is one over all layers: its scale, per layer.
+        self.aux_coef = balancing / len(self.sparse)
         self.z_coef = hf.get("router_z_loss_coef") or 0.0
         self.counts = torch.zeros(hf["num_hidden_layers"], config.num_moe_experts, dtype=torch.float64)
-        self.replayed = torch.zeros(
-            2, dtype=torch.float64
-        )  # tokens x layers replayed, of them chosen otherwise
+        # (token, layer) pairs replayed, and those the router would have chosen otherwise
+        self.replayed = torch.zeros(2, dtype=torch.float64)
         self.counting = False
         self.replayer: replay.Replayer | None = None  # set under routing replay
 
@@ -113,7 +111,6 @@ class MoeStats:
         """After a step of ``micro_batches`` on this rank: the statistics over all ranks (a collective of the
         whole trainer group). The losses are means over the layers and the micro-batches of every replica."""
         self.counting = False
-        self.replayer: replay.Replayer | None = None  # set under routing replay
         tracker = get_moe_layer_wise_logging_tracker()
         losses = torch.zeros(len(LOSSES), self.counts.shape[0], dtype=torch.float64)
         for row, name in enumerate(LOSSES):
