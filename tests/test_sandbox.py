@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from areal_hpc.reward import IsolationError, Limits, Sandbox
 LIMITS = Limits(time_secs=0.5, memory_mb=256, disk_mb=16, file_mb=4)
 WALL = LIMITS.time_secs * 2 + 1.0 + 1.0  # the sandbox's wall-clock limit, and a second to tear down
 INNER = "AREAL_SANDBOX_TEST_LEG"  # set in the run of this file as root in a user namespace
+HOSTILE_SUITE = Path(__file__).with_name("test_sandbox_hostile.py")  # run there too
 
 HOSTILE = {
     "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
@@ -138,10 +140,12 @@ def test_hostile_and_honest_programs_at_once(sandbox):
 @pytest.mark.skipif(bool(os.environ.get(INNER)), reason="this is the run it starts")
 def test_every_sandbox_test_passes_as_root_in_a_user_namespace():
     """enroot, pyxis and rootless podman start jobs as uid 0 of a user namespace that maps a few uids: the
-    sandbox gives no uid of its own there (chown to an unmapped uid fails) and enters a user namespace again."""
+    sandbox gives no uid of its own there (chown to an unmapped uid fails) and enters a user namespace again.
+    The hostile-program suite runs there too (one start-up of pytest for both)."""
     run = subprocess.run(
         ["unshare", "--user", "--map-root-user", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         __file__, "-k", "not as_root_in_a_user_namespace and not without_unshare and not refused"],
+         __file__, str(HOSTILE_SUITE), "-k",
+         "not as_root_in_a_user_namespace and not without_unshare and not where_unshare_is_refused"],
         env={**os.environ, INNER: "1"}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     summary = run.stdout.strip().splitlines()[-1]

@@ -7,20 +7,25 @@ environment, and isolated from the host: refused where the node cannot isolate, 
 Isolation (`jail.py`, entered through util-linux's `unshare`): new mount, PID, network, IPC and UTS namespaces
 (through a user namespace when not root, or when root in a user namespace that maps too few uids, as under
 enroot or rootless podman), a root of its own that shows the system's program directories read-only and
-nothing of the run directory or the home directories, no network but loopback, no capabilities; as root the
-program also runs as a uid of its own per concurrent run (so it cannot read the run's secret).
+nothing of the run directory or the home directories (nor their paths), no network but loopback, no
+capabilities; as root the program also runs as a uid of its own per concurrent run (so it cannot read the
+run's secret).
 
 Limits: the program is one process (a seccomp filter refuses new processes; threads are allowed), so its
-address space and CPU time are the whole program's; what it writes goes to one size-capped tmpfs (its
-directory and /tmp), its output to files capped by the file-size limit (nothing is buffered in this process);
-the wall-clock limit kills the namespace's every process. `Sandbox.protections` says which layers hold here.
-`isolation="required"` (reward.code_isolation's default) raises `IsolationError` where they do not all hold;
-"best_effort" runs programs with what holds, and the log says what they can see.
+address space and CPU time are the whole program's; the filter also refuses the memory the address-space limit
+does not count (SysV IPC, POSIX message queues, memfds), io_uring, BPF, the keyrings and sockets other than
+unix and IP. What it writes goes to one size-capped tmpfs (its directory and /tmp; the rest of its root is
+read-only); its input is a sealed memory file, its output two memory files capped by the file-size limit
+(nothing is buffered in this process); the wall-clock limit kills the namespace's every process.
+`Sandbox.protections` says which layers hold here. `isolation="required"` (reward.code_isolation's default)
+raises `IsolationError` where they do not all hold; "best_effort" runs programs with what holds, and the log
+says what they can see.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import marshal
 import os
@@ -40,6 +45,8 @@ from areal_hpc.reward import jail
 logger = logging.getLogger(__name__)
 
 JAIL = Path(jail.__file__)
+JAIL_SOURCE = JAIL.read_bytes()  # handed to each jail as a memory file: no host path on its command line
+SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin", "/etc/ld.so.cache", "/etc/alternatives")
 # As root, concurrent runs get uids FIRST_UID, FIRST_UID + 1, ... (no real user's), SLOTS of them.
 FIRST_UID, SLOTS = 61000, 256
@@ -154,46 +161,66 @@ class Sandbox:
     # --- one run ------------------------------------------------------------------------------------------
 
     def _run(self, work: Path, slot: int, source: str, stdin: str) -> Result:
-        (work / "stdin").write_text(stdin)
+        # Its standard streams are memory files: its input sealed (reopened through /proc/self/fd/0, it cannot
+        # be written), its output capped by the file-size limit; none shows a host path.
+        streams: list[int] = [_sealed("stdin", stdin.encode())]
+        passed: list[int] = []
+        try:
+            for name in ("stdout", "stderr"):
+                streams.append(os.memfd_create(name))
+            cmd, cwd, env, preexec = self._command(work, slot, source, passed)
+            start = time.monotonic()
+            proc = subprocess.Popen(
+                cmd, stdin=streams[0], stdout=streams[1], stderr=streams[2], cwd=cwd, env=env,
+                preexec_fn=preexec, start_new_session=True, pass_fds=passed,
+            )  # fmt: skip
+            code = self._wait(proc)
+            secs = time.monotonic() - start
+            out, err = (_read(fd, self.limits.file_mb) for fd in streams[1:])
+        finally:
+            for fd in streams + passed:
+                os.close(fd)
+        return Result(code, out, err, secs, _limit_of(code, err))
+
+    def _command(self, work: Path, slot: int, source: str, passed: list[int]) -> tuple:
+        """What runs `source`: the command, its working directory, environment and preexec_fn; the descriptors
+        it inherits besides its standard streams are appended to `passed`."""
         argv = [self.python, "-I", "-S", "-B", "main.py"]
-        if self.protections.namespaces:
-            spec = {
-                "root": str(work / "root"), "uid": FIRST_UID + slot if self.protections.own_uid else None,
-                "argv": argv, "env": ENV, "system": [*SYSTEM, self._prefix()], "source": source,
-                "disk_mb": self.limits.disk_mb, "limits": self._rlimits(),
-            }  # fmt: skip
-            (work / "root").mkdir()
-            # What jail.py reads: a node-local file of this run.
-            (work / "spec").write_bytes(marshal.dumps(spec))
-            cmd = [*self._unshare(), self.python, "-I", "-S", "-B", str(JAIL), str(work / "spec")]
-            cwd, env, preexec = None, {"PATH": ENV["PATH"]}, None
-        else:  # best effort: a folder of the host's temporary directory, whose total size nothing caps
+        if not self.protections.namespaces:
+            # best effort: a folder of the host's temporary directory, whose total size nothing caps
             box = work / "box"
             box.mkdir(mode=0o700)
             (box / "main.py").write_text(source)
-            cmd, cwd, env, preexec = argv, box, ENV, self._limit_fallback
-        start = time.monotonic()
-        with open(work / "stdin") as i, open(work / "stdout", "w") as o, open(work / "stderr", "w") as e:
-            proc = subprocess.Popen(
-                cmd, stdin=i, stdout=o, stderr=e, cwd=cwd, env=env, preexec_fn=preexec, start_new_session=True
-            )
-            # A timer kills it at the wall-clock limit (wait(timeout=) polls: up to 50 ms more a run). It is
-            # reaped only after its session is killed, so that no other process can have taken its pid.
-            expired = threading.Event()
-            wall = self.limits.time_secs * 2 + 1.0
-            timer = threading.Timer(wall, lambda: (expired.set(), _kill_group(proc)))
-            timer.start()
-            try:
-                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-            finally:
-                timer.cancel()
-                timer.join()
-                _kill_group(proc)  # what is left of its session
-                code = proc.wait()
-            code = None if expired.is_set() else code
-        secs = time.monotonic() - start
-        out, err = (_read(work / name, self.limits.file_mb) for name in ("stdout", "stderr"))
-        return Result(code, out, err, secs, _limit_of(code, err))
+            return argv, box, ENV, self._limit_fallback
+        spec = {
+            "root": str(work / "root"), "uid": FIRST_UID + slot if self.protections.own_uid else None,
+            "argv": argv, "env": ENV, "system": [*SYSTEM, self._prefix()], "source": source,
+            "disk_mb": self.limits.disk_mb, "limits": self._rlimits(),
+        }  # fmt: skip
+        (work / "root").mkdir()
+        # jail.py and its spec as sealed memory files: its command line shows their descriptors' numbers only.
+        passed.append(_sealed("jail.py", JAIL_SOURCE))
+        spec["script_fd"] = passed[0]
+        passed.append(_sealed("spec", marshal.dumps(spec)))
+        cmd = [*self._unshare(), self.python, "-I", "-S", "-B", f"/proc/self/fd/{passed[0]}", str(passed[1])]
+        return cmd, None, {"PATH": ENV["PATH"]}, None
+
+    def _wait(self, proc: subprocess.Popen) -> int | None:
+        """Its exit code; None when a timer killed it at the wall-clock limit (wait(timeout=) polls: up to 50
+        ms more a run). It is reaped only after its session is killed, so that no other process can have taken
+        its pid."""
+        expired = threading.Event()
+        wall = self.limits.time_secs * 2 + 1.0
+        timer = threading.Timer(wall, lambda: (expired.set(), _kill_group(proc)))
+        timer.start()
+        try:
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        finally:
+            timer.cancel()
+            timer.join()
+            _kill_group(proc)  # what is left of its session
+            code = proc.wait()
+        return None if expired.is_set() else code
 
     def _rlimits(self) -> dict:
         mb = 1024 * 1024
@@ -212,7 +239,7 @@ class Sandbox:
         limits = self._rlimits()
         del limits["threads"]
         jail.set_limits(limits)
-        jail.refuse_new_processes()
+        jail.restrict_system_calls()
 
     def _unshare(self) -> list[str]:
         cmd = [self._unshare_path, "--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts"]
@@ -248,12 +275,13 @@ class Sandbox:
     def _layers(self, p: Protections) -> Protections:
         """`p` with its layers and, where it is not isolated, why not."""
         lim = self.limits
-        p.layers = ["clean environment"]
+        p.layers = ["clean environment", f"input read-only, output {lim.file_mb} MiB a stream (memory files)"]
         if p.one_process:
-            p.layers.append(
-                f"one process (new processes refused), so its limits are the program's: {lim.memory_mb} MiB of "
-                f"memory, {lim.time_secs:g} s of CPU"
-            )
+            p.layers += [
+                f"one process (new processes refused), so its limits are the program's: {lim.memory_mb} MiB "
+                f"of memory (no shared memory, memfds or message queues besides), {lim.time_secs:g} s of CPU",
+                "no io_uring, BPF or keyrings", "sockets: unix, IPv4 and IPv6 only",
+            ]  # fmt: skip
         else:
             # The kernel exempts root's processes from the process limit: root in a user namespace has none.
             counted = p.own_uid or os.geteuid() != 0
@@ -265,10 +293,12 @@ class Sandbox:
             )
             p.why_not = p.why_not or "new processes are not refused (no seccomp filter here)"
         if p.namespaces:
+            files = lim.disk_mb * jail.INODES_PER_MB
             p.layers += [
-                f"{lim.disk_mb} MiB written in all (its directory and /tmp)", "own root file system (system "
-                "directories read-only)", "no network", "own PID namespace", "no capabilities",
-                *(["own uid"] if p.own_uid else []),
+                f"{lim.disk_mb} MiB and {files} files written in all (its directory and /tmp)",
+                "own root file system (read-only but for those two)",
+                "no host path in sight but the interpreter's", "no network", "own PID namespace",
+                "no capabilities", *(["own uid"] if p.own_uid else []),
             ]  # fmt: skip
         else:
             p.layers.append(f"a fresh directory, {lim.file_mb} MiB a file written (no cap on the total)")
@@ -302,8 +332,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _read(path: Path, cap_mb: int) -> str:
-    with open(path, "rb") as f:
+def _sealed(name: str, data: bytes) -> int:
+    """A memory file holding `data`, sealed: read from its start, it can never be written, grown or shrunk."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    return fd
+
+
+def _read(fd: int, cap_mb: int) -> str:
+    with open(fd, "rb", closefd=False) as f:
+        f.seek(0)
         return f.read(cap_mb * 1024 * 1024).decode(errors="replace")
 
 
