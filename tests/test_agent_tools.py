@@ -93,12 +93,27 @@ def test_nested_braces_in_code_strings():
         ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "'arguments' is not an object"),
         ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}', "unclosed"),
         ("<tool_call>[1, 2]</tool_call>", "not a JSON object"),
+        # What a policy writes that used to raise (RecursionError) and stop the rollout role, or to reach the
+        # chat template's tojson at the next turn: nesting and text are bounded.
+        ("<tool_call>" + "[" * 993 + "</tool_call>", "nested deeper than 32 levels"),
+        (
+            '<tool_call>{"name": "echo", "arguments": ' + '{"a": ' * 40 + "1" + "}" * 41 + "</tool_call>",
+            "nested",
+        ),
+        ('<tool_call>{"name": "echo", "arguments": "' + "[" * 993 + '"}</tool_call>', "nested deeper"),
+        ('<tool_call>{"name": "echo", "arguments": {"text": "\\ud800"}}</tool_call>', "not valid Unicode"),
+        (
+            '<tool_call>{"name": "echo", "arguments": {"text": "' + "x" * 70000 + '"}}</tool_call>',
+            "longer than",
+        ),
     ],
 )
 def test_a_malformed_block_is_a_call_with_its_error(text, error):
     [c] = parse_tool_calls(text)
     assert error in c.error
     assert to_openai([c]) == []
+    answer = Toolbox([ECHO]).run(c, {})
+    assert answer.error and answer.text.startswith("Error: malformed tool call: ")
 
 
 def test_an_unclosed_block_before_a_good_one_does_not_swallow_it():

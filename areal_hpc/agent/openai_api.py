@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_hpc.agent import bounds
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields a response carries and a client may echo back in an assistant message: dropped when empty.
 ECHOED = ("refusal", "annotations", "audio", "function_call", "reasoning_content")
@@ -192,6 +194,8 @@ def normalize_message(message: Any, where: str) -> dict:
     role = "system" if message["role"] == "developer" else message["role"]
     out: dict = {"role": role, "content": _text(message.get("content"), f"{where}.content")}
     if message.get("name") is not None:
+        if not isinstance(message["name"], str):
+            raise bad(f"{where}.name", "must be a string")
         out["name"] = message["name"]
     if calls := message.get("tool_calls"):
         if role != "assistant" or not isinstance(calls, list):
@@ -221,7 +225,7 @@ def _call(call: Any, where: str) -> dict:
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         with contextlib.suppress(ValueError):  # else kept as the text it is: the template renders it so
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = bounds.loads(arguments) if arguments.strip() else {}
     return {
         "id": call.get("id"),
         "type": "function",

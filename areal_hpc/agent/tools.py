@@ -21,12 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from areal_hpc.agent import bounds
 from areal_hpc.config import ExtensionError, InputError, extensions
 from areal_hpc.reward import Limits, Result, Sandbox
 
 # A block ends at its closing tag, or (unclosed) where the next block or the text begins/ends.
 BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
 FORMAT_HINT = 'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+MAX_CALL_CHARS = 65536  # one call's JSON: a program for the python tool fits many times over
 
 
 class ToolError(Exception):
@@ -52,18 +54,28 @@ class ToolResult:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every <tool_call> block of `text`, in order; a malformed one has `error` set."""
-    return [_parse_block(m.group(1), bool(m.group(2)), i) for i, m in enumerate(BLOCK.finditer(text))]
+    """Every <tool_call> block of `text`, in order; a malformed one has `error` set. Never raises: the text is
+    the policy's, and whatever it writes is the model's mistake to hear about."""
+    calls = []
+    for i, match in enumerate(BLOCK.finditer(text)):
+        try:
+            calls.append(_parse_block(match.group(1), bool(match.group(2)), f"call_{i}"))
+        except Exception as exc:  # a reading this module did not foresee is still only a malformed call
+            calls.append(ToolCall(None, {}, f"cannot be read ({type(exc).__name__}: {exc})", f"call_{i}"))
+    return calls
 
 
-def _parse_block(body: str, closed: bool, index: int) -> ToolCall:
-    cid = f"call_{index}"
+def _parse_block(body: str, closed: bool, cid: str) -> ToolCall:
     if not closed:
         return ToolCall(None, {}, "unclosed <tool_call> block (no </tool_call>)", cid)
+    if len(body) > MAX_CALL_CHARS:
+        return ToolCall(None, {}, f"longer than {MAX_CALL_CHARS} characters", cid)
     try:
-        obj = json.loads(body)
+        obj = bounds.loads(body)
     except json.JSONDecodeError as exc:
         return ToolCall(None, {}, f"not JSON: {exc}", cid)
+    except ValueError as exc:  # too deep, or text that is not Unicode
+        return ToolCall(None, {}, f"not usable JSON: {exc}", cid)
     if not isinstance(obj, dict):
         return ToolCall(None, {}, "not a JSON object", cid)
     name = obj.get("name")
@@ -73,9 +85,9 @@ def _parse_block(body: str, closed: bool, index: int) -> ToolCall:
     # Some models write the arguments as a JSON string, as the OpenAI API carries them.
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError as exc:
-            return ToolCall(name, {}, f"'arguments' is a string that is not JSON: {exc}", cid)
+            args = bounds.loads(args)
+        except ValueError as exc:
+            return ToolCall(name, {}, f"'arguments' is a string that is not usable JSON: {exc}", cid)
     if not isinstance(args, dict):
         return ToolCall(name, {}, "'arguments' is not an object", cid)
     return ToolCall(name, args, None, cid)
