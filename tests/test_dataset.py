@@ -109,6 +109,13 @@ def test_defaults_and_lenient_fields(tmp_path):
             "'input_output': case 0: a function call's arguments and result must be JSON",
         ),
         ({"query_id": "q", "prompt": "p", "solutions": ["1"]}, "duplicate query_id 'q' (first at "),
+        # Ids no log line should carry: too long, with a newline, a lone surrogate.
+        (
+            {"query_id": "x" * 513, "prompt": "p", "solutions": ["1"]},
+            "'query_id' has 513 characters, at most 512",
+        ),
+        ({"query_id": "a\nb", "prompt": "p", "solutions": ["1"]}, "holds a character that does not print"),
+        ({"query_id": "a\ud800", "prompt": "p", "solutions": ["1"]}, "holds a character that does not print"),
     ],
 )
 def test_malformed_line_is_reported_with_file_and_line(tmp_path, tiny_tokenizer, bad_line, message):
@@ -117,6 +124,19 @@ def test_malformed_line_is_reported_with_file_and_line(tmp_path, tiny_tokenizer,
         load_prompt_dataset(path, tiny_tokenizer, max_prompt_len=64)
     assert str(caught.value).startswith(f"{path}:2: ")
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(("first", "second"), [("7", 7), ("\u00e9", "e\u0301")])
+def test_ids_that_are_one_id_once_normalised_are_reported_with_both_lines(
+    tmp_path, tiny_tokenizer, first, second
+):
+    path = write_lines(tmp_path / "ids.jsonl", [math_line(first), {**math_line(), "query_id": second}])
+    with pytest.raises(DatasetFormatError) as caught:
+        load_prompt_dataset(path, tiny_tokenizer, max_prompt_len=64)
+    assert str(caught.value).startswith(
+        f"{path}:2: duplicate query_id {second!r} (first at {path}:1, as {first!r}"
+    )
+    assert "compared as text in Unicode NFC" in str(caught.value)
 
 
 def test_empty_file_and_bad_max_prompt_len_are_errors(tmp_path, tiny_tokenizer):

@@ -11,6 +11,7 @@ Rules every control module follows:
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -25,6 +26,8 @@ T = TypeVar("T")
 ESTALE_RETRIES = 5
 ESTALE_SLEEP = 0.01  # seconds, doubled after each stale attempt
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@=+-]*")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+READABLE_CHARS = 40  # of an outside string kept in its file name, before the hash
 
 
 def retry_estale(fn: Callable[[], T], what: str | os.PathLike) -> T:
@@ -142,3 +145,12 @@ def check_segment(name: str, what: str) -> str:
             "digit or _, and do not end with .json"
         )
     return name
+
+
+def name_of(text: str) -> str:
+    """A file or folder name for an outside string (a dataset's prompt id): its first letters, digits, ``_``
+    and ``-`` for the reader, then a hash of the whole, so no string can name ``.``, ``..``, a long name or
+    another string's file."""
+    digest = hashlib.sha256(str(text).encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    readable = _UNSAFE.sub("_", str(text))[:READABLE_CHARS].strip("_")
+    return f"{readable}-{digest}" if readable else digest

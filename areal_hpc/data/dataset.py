@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 TASKS = ("math", "code", "stem")
 DEFAULT_TASK = "math"
+MAX_ID_CHARS = 512  # a prompt id goes into log lines, ledgers and batch files
 
 
 class DatasetFormatError(InputError):
@@ -93,17 +95,32 @@ class Record(NamedTuple):
     messages: tuple[dict, ...] | None = None
 
 
+def _query_id(query_id: Any, where: str) -> str:
+    """A line's id as text: a string (or an integer) of printable characters, not too long to be a name in a
+    log line. Files named after it are hashes of it (control.fsio.name_of), so any such id is safe on disk."""
+    if isinstance(query_id, int) and not isinstance(query_id, bool):
+        query_id = str(query_id)
+    if not isinstance(query_id, str) or not query_id:
+        raise DatasetFormatError(f"{where}: 'query_id' must be a non-empty string, got {_show(query_id)}")
+    if len(query_id) > MAX_ID_CHARS:
+        raise DatasetFormatError(
+            f"{where}: 'query_id' has {len(query_id)} characters, at most {MAX_ID_CHARS}"
+        )
+    if not query_id.isprintable():
+        raise DatasetFormatError(
+            f"{where}: 'query_id' {_show(query_id)} holds a character that does not print (a control character, a "
+            "separator other than the space, or a lone surrogate)"
+        )
+    return query_id
+
+
 def _parse_line(obj: Any, where: str, scored_by_fn: bool = False) -> Record:
     """Validate one decoded line. A line scored by a reward.fn needs no solutions nor test cases (the function
     reads what it needs from the fields it is given)."""
     if not isinstance(obj, dict):
         raise DatasetFormatError(f"{where}: expected a JSON object, got {_show(obj)}")
 
-    query_id = obj.get("query_id")
-    if isinstance(query_id, int) and not isinstance(query_id, bool):
-        query_id = str(query_id)
-    if not isinstance(query_id, str) or not query_id:
-        raise DatasetFormatError(f"{where}: 'query_id' must be a non-empty string, got {_show(query_id)}")
+    query_id = _query_id(obj.get("query_id"), where)
 
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -197,14 +214,17 @@ def read_prompt_records(path: str | Path, loader: str = "jsonl", scored_by_fn: b
     `scored_by_fn`: a reward.fn scores the answers (the records keep their fields for it)."""
     path = Path(path)
     records = []
-    first: dict[str, str] = {}
+    first: dict[str, tuple[str, Any]] = {}  # each id in Unicode NFC -> where it was first, as it was written
     for where, obj in _loaded(path, loader):
         record = _parse_line(obj, where, scored_by_fn)
-        if record.query_id in first:
+        same = unicodedata.normalize("NFC", record.query_id)
+        if same in first:
+            before, written = first[same]
             raise DatasetFormatError(
-                f"{where}: duplicate query_id {record.query_id!r} (first at {first[record.query_id]})"
+                f"{where}: duplicate query_id {_show(obj['query_id'])} (first at {before}, as {_show(written)}; ids "
+                'are compared as text in Unicode NFC, so 7 and "7", or é and e + U+0301, are one id)'
             )
-        first[record.query_id] = where
+        first[same] = where, obj["query_id"]
         records.append(record)
     if not records:
         raise DatasetFormatError(f"{path}: the dataset holds no records")

@@ -21,17 +21,19 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, unquote
 
 import numpy as np
 
 from areal_hpc.control import fsio
 
 logger = logging.getLogger("rollout")
+KEY = re.compile(r"[0-9a-f]{64}")  # request_key's
+FINISH = ("stop", "length")
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,10 @@ class Entry:
 
     @classmethod
     def parse(cls, line: bytes) -> Entry:
+        """The entry of one line; ValueError (or KeyError, TypeError) when its fields do not add up: a line
+        torn by a crash, or written by something else, is never half taken."""
         raw = json.loads(line)
-        return cls(
+        entry = cls(
             raw["key"],
             _unpack(raw["ids"], "<i4"),
             _unpack(raw["logprobs"], "<f8"),
@@ -68,6 +72,15 @@ class Entry:
             raw["finish"],
             _unpack_array(raw["routing"]) if "routing" in raw else None,
         )
+        if not (isinstance(entry.key, str) and KEY.fullmatch(entry.key)):
+            raise ValueError("the key is not a request's hash")
+        if not len(entry.ids) == len(entry.logprobs) == len(entry.versions):
+            raise ValueError(
+                f"{len(entry.ids)} ids, {len(entry.logprobs)} logprobs, {len(entry.versions)} versions"
+            )
+        if entry.finish not in FINISH or min(entry.ids + entry.versions, default=0) < 0:
+            raise ValueError("a finish reason, an id or a version that no generation gives")
+        return entry
 
 
 def request_key(ids: Sequence[int], params: dict, stop: Sequence[str] = ()) -> str:
@@ -78,10 +91,11 @@ def request_key(ids: Sequence[int], params: dict, stop: Sequence[str] = ()) -> s
 
 
 class Journal:
-    """One episode's journal (``name`` in logs and warnings)."""
+    """One episode's journal (``name`` in logs and warnings; ``about``: what its group's folder is, written
+    there as id.json when the folder is made, since the folder's name is a hash)."""
 
-    def __init__(self, path: Path, name: str):
-        self.path, self.name = path, name
+    def __init__(self, path: Path, name: str, about: dict | None = None):
+        self.path, self.name, self.about = path, name, about
         self.entries, good = read_entries(path)
         if path.exists() and path.stat().st_size > good:  # a torn last line: appends go after the good ones
             os.truncate(path, good)
@@ -111,7 +125,9 @@ class Journal:
         """Record a live generation: one write, fsync'd."""
         if self.replayed < len(self.entries):  # asked past the record without a mismatch: cannot happen
             raise RuntimeError(f"episode {self.name}: appended before its record was replayed")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.parent.is_dir():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fsio.write_json(self.path.parent / "id.json", self.about or {})
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, entry.line())
@@ -133,24 +149,25 @@ def read_entries(path: Path) -> tuple[list[Entry], int]:
     for line in data.split(b"\n")[:-1]:  # the part after the last newline is torn or empty
         try:
             entries.append(Entry.parse(line))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             break  # a line cut by a crash: nothing after it was acknowledged
         good += len(line) + 1
     return entries, good
 
 
 class Journals:
-    """The run's episode journals: ``root``/epoch<E>/<prompt id>/<index>.jsonl."""
+    """The run's episode journals: ``root``/epoch<E>/<group>/<index>.jsonl, where <group> is the prompt id's
+    ``fsio.name_of`` (no id can name another folder) and <group>/id.json holds the id itself."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
 
     def group(self, epoch: int, query_id: str) -> Path:
-        return self.root / f"epoch{epoch}" / quote(str(query_id), safe="")
+        return self.root / f"epoch{epoch}" / fsio.name_of(query_id)
 
     def episode(self, epoch: int, query_id: str, index: int) -> Journal:
         path = self.group(epoch, query_id) / f"{index}.jsonl"
-        return Journal(path, f"{query_id}#{index} (epoch {epoch})")
+        return Journal(path, f"{query_id}#{index} (epoch {epoch})", {"query_id": query_id, "epoch": epoch})
 
     def remove_group(self, epoch: int, query_id: str) -> None:
         """Once the group is stored or dropped: nothing of it is generated again."""
@@ -160,10 +177,10 @@ class Journals:
         """Remove the journals of groups already used (stored, trained or dropped: a crash came between that and
         the removal); the number removed."""
         n = 0
-        for folder in self.root.glob("epoch*/*"):
-            epoch = int(folder.parent.name.removeprefix("epoch"))
-            if unquote(folder.name) in used.get(epoch, ()):
-                shutil.rmtree(folder, ignore_errors=True)
+        for epoch, ids in used.items():  # the folders there are few; the used ids many, and hashed in memory
+            names = {fsio.name_of(query_id) for query_id in ids}
+            for name in set(fsio.list_names(self.root / f"epoch{epoch}")) & names:
+                shutil.rmtree(self.root / f"epoch{epoch}" / name, ignore_errors=True)
                 n += 1
         return n
 
