@@ -4,19 +4,14 @@ errors; streaming, completions and the model list work as the SDK expects."""
 
 from __future__ import annotations
 
-import shlex
-import sys
-import time
-from pathlib import Path
-
 import openai
 import pytest
 
 from areal_hpc.agent import content_of
-from areal_hpc.gen.agents import command_agent, function_agent
+from areal_hpc.gen.agents import function_agent
 from areal_hpc.gen.endpoint import Endpoint
 from areal_hpc.gen.episode import cut_text, stop_length
-from areal_hpc.gen.episodes import AgentFailed, GroupTimeout, run_group
+from areal_hpc.gen.episodes import run_group
 from areal_hpc.gen.journal import Journals, read_entries
 from tests.plugins import sdk_agents
 from tests.test_episodes import PARAMS, RECORD, services
@@ -50,7 +45,7 @@ def test_an_sdk_agent_s_turns_are_recorded_as_the_ids_the_server_sampled(
     for index, samples in enumerate(result.samples):
         (sample,) = samples
         trained = [not masked for masked in sample.prompt_mask]
-        entries, _ = read_entries(tmp_path / "epoch0" / RECORD.query_id / f"{index}.jsonl")
+        entries, _ = read_entries(Journals(tmp_path).group(0, RECORD.query_id) / f"{index}.jsonl")
         # What is trained is what the server returned: its ids and its logprobs.
         assert [i for i, t in zip(sample.ids, trained, strict=True) if t] == [
             t for e in entries for t in e.ids
@@ -207,7 +202,7 @@ def test_a_restarted_episode_is_answered_from_its_journal_up_to_its_last_recorde
     svc = services(tiny_tokenizer)
     svc.journals = Journals(tmp_path)
     first = run_agent(sdk_agents.three_turns, builtin_client, svc, endpoint)
-    journals = sorted((tmp_path / "epoch0" / RECORD.query_id).glob("*.jsonl"))
+    journals = sorted(Journals(tmp_path).group(0, RECORD.query_id).glob("*.jsonl"))
     assert len(journals) == 2 and all(len(read_entries(p)[0]) == 3 for p in journals)
 
     # Restarted with every turn recorded: no request reaches a server, and the samples are the same.
@@ -239,53 +234,6 @@ def test_a_restarted_episode_is_answered_from_its_journal_up_to_its_last_recorde
 
 def _samples(result) -> list[tuple]:
     return [(list(s.ids), list(s.logprobs), list(s.versions)) for samples in result.samples for s in samples]
-
-
-PROGRAM = Path(__file__).parent / "plugins" / "sdk_agent_program.py"
-
-
-def run_program(mode: str, client, svc, endpoint, logs: Path, timeout: float = 60, output_bytes: int = 65536):
-    workflow = command_agent(shlex.join([sys.executable, str(PROGRAM), mode]), endpoint, logs, output_bytes)
-    return run_group(svc, workflow, client, RECORD, PARAMS, 2, timeout)
-
-
-def test_an_agent_program_is_trained_through_its_environment_and_its_output_is_kept(
-    builtin_client,
-    tiny_tokenizer,
-    endpoint,
-    tmp_path,
-):
-    svc = services(tiny_tokenizer)
-    result = run_program("noisy", builtin_client, svc, endpoint, tmp_path, output_bytes=1024)
-    assert result.rewards == [1.0, 1.0] and result.counts["turns"] == 4 and result.counts["breaks"] == 0
-    log = tmp_path / "epoch0" / f"{RECORD.query_id}.log"
-    for index in (0, 1):  # each episode's block: 5,000 bytes of stdout kept to 1,024, its stderr
-        block = log.read_text().split(f"=== episode {index} of q1 (epoch 0), exit code 0: stdout\n")[1]
-        out, err = block.split(f"=== episode {index} of q1 (epoch 0), exit code 0: stderr\n")
-        assert out.startswith("x" * 1000) and "[cut: " in out and len(out) < 1100
-        assert err.startswith("turn 0: ") and "turn 1: " in err
-
-    with pytest.raises(AgentFailed, match="exited with 3"):
-        run_program("fail", builtin_client, svc, endpoint, tmp_path)
-
-    start = time.monotonic()
-    with pytest.raises(GroupTimeout):
-        run_program("hang", builtin_client, svc, endpoint, tmp_path, timeout=3)
-    assert time.monotonic() - start < 10
-    assert "exit code -9: stdout\nstarted\n" in log.read_text()  # what it wrote before it was killed
-    assert not _running(str(PROGRAM))  # killed with the episode
-
-
-def _running(word: str) -> bool:
-    return any(word in p.read_text() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p))
-
-
-def _readable(path: Path) -> bool:
-    try:
-        path.read_text()
-    except OSError:
-        return False
-    return True
 
 
 def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tiny_tokenizer):

@@ -3,10 +3,13 @@
 chat        incremental chat rendering: a new message's tokens appended to the ids already sampled
 trajectory  the tokens of an episode with their loss mask, behaviour logprobs and weight versions; export
 tools       tool calls in the chat template's format, and the tools (calculator, python in the sandbox)
+bounds      nesting and text of JSON from outside (agents' requests, the policy's tool calls), bounded
+programs    where an agent program runs: its namespaces, its uid, its environment (program_init.py their init)
 workflows   the built-in workflows: single_turn and tool_loop
 """
 
 from areal_hpc.agent.chat import ChatRenderer, ChatTemplateError, drifts
+from areal_hpc.agent.programs import AgentError, AgentIsolationError, ProgramJail, program_env
 from areal_hpc.agent.tools import (
     Tool,
     Toolbox,
@@ -20,6 +23,8 @@ from areal_hpc.agent.tools import (
 from areal_hpc.agent.trajectory import Sample, Trajectory, Turn, export
 
 __all__ = [
+    "AgentError",
+    "AgentIsolationError",
     "ChatRenderer",
     "ChatTemplateError",
     "Sample",
@@ -27,6 +32,7 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "Toolbox",
+    "ProgramJail",
     "Trajectory",
     "Turn",
     "content_of",
@@ -34,5 +40,6 @@ __all__ = [
     "export",
     "load_tools",
     "parse_tool_calls",
+    "program_env",
     "to_openai",
 ]

@@ -21,6 +21,8 @@ from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_mod
 from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PROGRAM_GETS = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")  # and OPENAI_*: agent.program_env
 _BOUNDS = {
     "ge": (lambda v, b: v >= b, ">="),
     "gt": (lambda v, b: v > b, ">"),
@@ -223,8 +225,26 @@ def agent_problems(cfg: ExperimentConfig) -> list[str]:
         )
     if rollout.agent_command is not None:
         out += _command_problems(rollout.agent_command)
+    out += _agent_env_problems(rollout)
     if not rollout.agent_model or any(c.isspace() for c in rollout.agent_model):
         out.append(f"'rollout.agent_model' is {rollout.agent_model!r}; give a model name without whitespace")
+    return out
+
+
+def _agent_env_problems(rollout) -> list[str]:
+    """rollout.agent_env and agent_isolation apply to the program of rollout.agent_command; agent_env names
+    variables, none of those the program gets anyway."""
+    unused = [key for key, default in (("agent_env", []), ("agent_isolation", "required"))
+              if getattr(rollout, key) != default and rollout.agent_command is None]  # fmt: skip
+    out = [f"'rollout.{key}' is set, but 'rollout.agent_command' is not: it applies to the program of "
+           "rollout.agent_command; remove it" for key in unused]  # fmt: skip
+    for name in rollout.agent_env:
+        if not _ENV_NAME.match(str(name)):
+            out.append(
+                f"'rollout.agent_env' names {name!r}, which is not a variable name (letters, digits, _)"
+            )
+        elif name in _PROGRAM_GETS or name.startswith("OPENAI_"):
+            out.append(f"'rollout.agent_env' names {name}, which the program gets anyway: remove it")
     return out
 
 

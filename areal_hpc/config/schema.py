@@ -317,6 +317,20 @@ class RolloutConfig:
         "and the cut says so).",
         ge=1024,
     )
+    agent_env: list[str] = opt(
+        [],
+        "rollout.agent_command: names of the rollout's environment variables its program gets besides PATH, the "
+        "locale, the OPENAI_* variables and its own HOME and TMPDIR (nothing else of the role's environment, "
+        "its credentials among it, reaches the program).",
+    )
+    agent_isolation: str = opt(
+        "required",
+        "rollout.agent_command: required: a run whose nodes cannot give each program mount and PID namespaces "
+        "of its own (docs/agents.md) stops before its first step, saying what the site must allow; "
+        "best_effort: the programs then run as the run's user, and can read what it can read (the run's "
+        "secret, other episodes' keys) and leave processes behind.",
+        choices=("required", "best_effort"),
+    )
 
 
 @dataclass

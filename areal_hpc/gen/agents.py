@@ -3,9 +3,16 @@ and runs the user's agent against it, a Python function (rollout.agent) or a pro
 
 A function is `async def agent(base_url, api_key, record) -> reward`; ``record`` is the prompt's dataset record
 (data.PromptSample). A program gets OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL in its environment and the
-record as one JSON object on its stdin; its reward is the last line of its stdout, a number. The program's stdout
-and stderr are kept per episode, each cut at rollout.agent_output_bytes, in logs/agents/ (a file per group); it runs in a process
-group of its own, killed whole when the episode is given up (rollout.episode_timeout_secs, or the role stops).
+record as one JSON object on its stdin; its reward is the last line of its stdout, a number, read when it exits.
+The program's stdout and stderr are kept per episode, each cut at rollout.agent_output_bytes, in logs/agents/ (a
+file per group, named by control.fsio.name_of of the prompt's id).
+
+A program sees only what it needs (docs/agents.md, "What an agent program can and cannot reach"): an environment
+of PATH, the locale, the role's OPENAI_* variables and those rollout.agent_env names, its own HOME and TMPDIR;
+it runs in mount and PID namespaces of its own (agent.programs), where no other episode's process
+(its key) nor the role's is visible, the run directory is an empty tmpfs, and everything it started dies with it,
+at its exit or when the episode is given up (rollout.episode_timeout_secs, or the role stops); as root, as a uid
+of its own. rollout.agent_isolation=best_effort runs it without the namespaces where the node has none.
 
 An agent that fails (its function raises, its program exits non-zero or prints no reward) fails its episode:
 the group is dropped, logged and counted (reason agent_error), and the run goes on.
@@ -18,19 +25,17 @@ import json
 import os
 import shlex
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from urllib.parse import quote
 
+from areal_hpc.agent import AgentError, ProgramJail, program_env
+from areal_hpc.control import fsio
 from areal_hpc.gen.client import GenerationStopped
 from areal_hpc.gen.endpoint import Endpoint
 
 READ_BYTES = 65536
-
-
-class AgentError(RuntimeError):
-    """The user's agent failed its episode."""
+GRACE_SECS = 1.0  # for a program's output to drain once it exited
 
 
 def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
@@ -51,34 +56,35 @@ def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
     return workflow
 
 
-def command_agent(command: str, endpoint: Endpoint, logs: Path, output_bytes: int) -> Callable:
-    """The workflow of rollout.agent_command; its output goes to ``logs``/epoch<E>/<prompt>.log, a block per
-    episode (one file per group, not two per episode: shared file systems suffer millions of small files)."""
-    argv = shlex.split(command)
+def command_agent(
+    command: str,
+    endpoint: Endpoint,
+    logs: Path,
+    output_bytes: int,
+    *,
+    env_names: Sequence[str] = (),
+    hidden: Sequence[Path] = (),
+    isolation: str = "required",
+) -> Callable:
+    """The workflow of rollout.agent_command; its output goes to ``logs``/epoch<E>/<name_of(prompt)>.log, a block
+    per episode (one file per group, not two per episode: shared file systems suffer millions of small files).
+    ``env_names``: rollout.agent_env; ``hidden``: what the program must not see (the run directory);
+    ``isolation``: rollout.agent_isolation (AgentIsolationError where required and the node cannot isolate)."""
+    jail = ProgramJail(shlex.split(command), hidden, isolation)
 
     async def workflow(ctx, record) -> float:
         key = endpoint.open(ctx)
-        where = logs / f"epoch{ctx.epoch}" / f"{quote(str(record.query_id), safe='')}.log"
-        env = {**os.environ, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": key,
-               "OPENAI_MODEL": endpoint.model}  # fmt: skip
+        where = logs / f"epoch{ctx.epoch}" / f"{fsio.name_of(record.query_id)}.log"
         out, err = Output(output_bytes), Output(output_bytes)
         proc = None
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
-            )  # fmt: skip
-            try:
-                record_line = json.dumps(record_fields(record)).encode() + b"\n"
-                await asyncio.gather(
-                    out.read(proc.stdout), err.read(proc.stderr), _feed(proc.stdin, record_line)
+            with jail.seat() as seat:
+                own = {"OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": key, "OPENAI_MODEL": endpoint.model,
+                       "HOME": str(seat.home), "TMPDIR": str(seat.tmp)}  # fmt: skip
+                proc = await jail.start(seat, program_env(os.environ, env_names, own))
+                await _converse(
+                    proc, out, err, json.dumps(record_fields(record)).encode() + b"\n", jail.isolated
                 )
-                await proc.wait()
-            finally:
-                if proc.returncode is None:  # given up: the program and all it started
-                    with suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    await proc.wait()
         finally:
             endpoint.close(key)
             head = f"=== episode {ctx.index} of {record.query_id} (epoch {ctx.epoch}), exit code {proc and proc.returncode}"
@@ -92,6 +98,37 @@ def command_agent(command: str, endpoint: Endpoint, logs: Path, output_bytes: in
         )
 
     return workflow
+
+
+async def _converse(
+    proc: asyncio.subprocess.Process, out: Output, err: Output, record_line: bytes, isolated: bool
+) -> None:
+    """Feed the record and read the output until the program exits; then its output drains for at most
+    GRACE_SECS (what it left running might hold its stdout open for ever). The program and all it started are
+    killed when the episode is given up; ``isolated``, when it exits too (its namespace's init does it)."""
+    io = asyncio.ensure_future(
+        asyncio.gather(out.read(proc.stdout), err.read(proc.stderr), _feed(proc.stdin, record_line))
+    )
+    try:
+        await proc.wait()
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(io), GRACE_SECS)
+    finally:
+        # Its process group: unshare and the namespace's init (whose death kills the namespace), or, without
+        # namespaces, the program and what it started in its group. After a normal exit the group's id stays
+        # reserved while any of them lives, so no other process can be hit; isolated, none lives.
+        if proc.returncode is None:
+            _kill_group(proc.pid)
+            await proc.wait()
+        elif not isolated:
+            _kill_group(proc.pid)
+        io.cancel()
+        await asyncio.wait({io})
+
+
+def _kill_group(pgid: int) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 class Output:

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoConfig
 
-from areal_hpc.agent import Sample, Toolbox, export, load_tools, workflows
+from areal_hpc.agent import AgentError, Sample, Toolbox, export, load_tools, workflows
 from areal_hpc.config import ExperimentConfig, extensions, gen_backend
 from areal_hpc.data import write_batch
-from areal_hpc.gen.agents import AgentError, command_agent, function_agent
+from areal_hpc.gen.agents import command_agent, function_agent
 from areal_hpc.gen.endpoint import Endpoint
 from areal_hpc.gen.episode import EpisodeContext, Services
 from areal_hpc.gen.rollout import (
@@ -120,7 +120,10 @@ class Episodes:
         if r.agent:
             self.workflow = function_agent(extensions.load("rollout.agent", r.agent), self.endpoint)
         elif r.agent_command:
-            self.workflow = command_agent(r.agent_command, self.endpoint, agent_logs, r.agent_output_bytes)
+            # The program must not see the run directory (its secret): RunDir.agent_logs is <run dir>/logs/agents.
+            hidden = (agent_logs.parents[1],) if agent_logs else ()
+            self.workflow = command_agent(r.agent_command, self.endpoint, agent_logs, r.agent_output_bytes,
+                                          env_names=r.agent_env, hidden=hidden, isolation=r.agent_isolation)  # fmt: skip
         else:
             self.workflow = extensions.load("rollout.workflow", r.workflow)
 

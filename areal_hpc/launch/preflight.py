@@ -2,17 +2,18 @@
 them (file:line), the model and tokenizer directories, the user's code it names (reward.fn, dataset.loader,
 actor.interface, rollout.workflow, rollout.tools and rollout.agent: each imports and takes the call it will
 get), what the run needs of its storage (launch/storage.py) and, under `areal-hpc run`, that this machine
-isolates model-written code. A bad input fails alike on every attempt, so it must be refused here, never found
-by a role, whose failures are retried.
+isolates model-written code and agent programs. A bad input fails alike on every attempt, so it must be refused
+here, never found by a role, whose failures are retried.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import shlex
 from pathlib import Path
 
-from areal_hpc.agent import ChatRenderer, ChatTemplateError, load_tools
+from areal_hpc.agent import AgentIsolationError, ChatRenderer, ChatTemplateError, ProgramJail, load_tools
 from areal_hpc.config import (
     ExperimentConfig,
     ExtensionError,
@@ -38,7 +39,7 @@ def check_inputs(cfg: ExperimentConfig, new_run: bool = True, here: bool = False
     problems += [p for key, path in models(cfg) for p in model_problems(key, path, key == "actor.path")]
     problems += teacher_problems(cfg)
     problems += eval_set_problems(cfg) + writer_problems(cfg) + sglang_problems(cfg)
-    problems += isolation_problems(cfg, tasks) if here else []
+    problems += isolation_problems(cfg, tasks) + agent_isolation_problems(cfg) if here else []
     problems += storage_problems(cfg, here) if new_run else []  # a resubmitted run's checkpoints are there
     if new_run and cfg.recover_mode == "resume":
         problems.append(
@@ -144,6 +145,19 @@ def isolation_problems(cfg: ExperimentConfig, tasks: set[str]) -> list[str]:
         Sandbox(Limits(time_secs=cfg.reward.code_time_secs, memory_mb=cfg.reward.code_memory_mb))
     except IsolationError as exc:
         return [f"'reward.code_isolation': {exc}"]
+    return []
+
+
+def agent_isolation_problems(cfg: ExperimentConfig) -> list[str]:
+    """The program of rollout.agent_command runs in namespaces of its own: with rollout.agent_isolation
+    required, this machine must give them (the rollout role tries again on its node)."""
+    r = cfg.rollout
+    if cfg.experiment_type != "ppo" or r.agent_command is None or r.agent_isolation != "required":
+        return []
+    try:
+        ProgramJail(shlex.split(r.agent_command), (), r.agent_isolation)
+    except AgentIsolationError as exc:
+        return [f"'rollout.agent_isolation': {exc}"]
     return []
 
 

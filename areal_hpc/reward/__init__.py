@@ -9,7 +9,7 @@ jail     the inside of a sandbox (stdlib only; run by `unshare`) and its seccomp
 
 from areal_hpc.reward.code import CodeVerifier, extract_code, outputs_match
 from areal_hpc.reward.rewards import TaskRewards
-from areal_hpc.reward.sandbox import IsolationError, Limits, Protections, Result, Sandbox
+from areal_hpc.reward.sandbox import IsolationError, Limits, Protections, Result, Sandbox, own_uids_available
 
 __all__ = [
     "CodeVerifier",
@@ -21,4 +21,5 @@ __all__ = [
     "TaskRewards",
     "extract_code",
     "outputs_match",
+    "own_uids_available",
 ]

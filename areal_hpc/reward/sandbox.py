@@ -309,12 +309,12 @@ class Sandbox:
         return p
 
 
-def own_uids_available() -> bool:
-    """Whether this process may give programs uids of their own: root, with those uids mapped (not so for root in
-    a user namespace that maps a few uids: enroot, rootless podman)."""
+def own_uids_available(first: int = FIRST_UID, count: int = SLOTS) -> bool:
+    """Whether this process may give programs the uids ``first`` .. ``first + count - 1``: root, with those uids
+    mapped (not so for root in a user namespace that maps a few uids: enroot, rootless podman)."""
     if os.geteuid() != 0:
         return False
-    return all(_mapped(Path(f"/proc/self/{ids}_map"), FIRST_UID, SLOTS) for ids in ("uid", "gid"))
+    return all(_mapped(Path(f"/proc/self/{ids}_map"), first, count) for ids in ("uid", "gid"))
 
 
 def _mapped(map_file: Path, first: int, count: int) -> bool:
