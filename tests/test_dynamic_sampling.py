@@ -131,7 +131,10 @@ def test_a_synchronous_multi_turn_step_replaces_its_groups_of_equal_rewards(
     batches = iter([(prompts("same-c", "d"), 0), (prompts("e", "same-f"), 1)])
     rolled = episodes_step([builtin_client], episodes, prompts("a", "same-b"), cfg, tmp_path / "step.h5", 0,
                            lambda: next(batches))  # fmt: skip
-    assert rolled.kept == [("a", 0), ("d", 0)] and rolled.dropped == [("same-b", 0), ("same-c", 0)]
+    assert rolled.kept == [("a", 0), ("d", 0)] and rolled.dropped == [
+        ("same-b", 0, "equal_rewards"),
+        ("same-c", 0, "equal_rewards"),
+    ]
     assert read_batch(rolled.path)["group_ids"].tolist() == [0, 0, 1, 1]
     stats = rolled.stats
     assert stats["rollout/dynamic_sampling_dropped"] == 2 and stats["rollout/dynamic_sampling_rounds"] == 2

@@ -201,7 +201,9 @@ def test_a_synchronous_step_writes_the_groups_that_ended_and_names_those_dropped
     path, stats, kept, dropped = episodes_step(
         [client], episodes, prompts, cfg, tmp_path / "step.h5", epoch=0
     )
-    assert (kept, dropped) == ([("q1", 0), ("q3", 0)], [("q2", 0)]) and stats["rollout/dropped_groups"] == 1
+    assert (kept, dropped) == ([("q1", 0), ("q3", 0)], [("q2", 0, "timeout")]) and stats[
+        "rollout/dropped_groups"
+    ] == 1
     arrays = read_batch(path)
     assert arrays["group_ids"].tolist() == [0, 0, 1, 1]  # concat: one row per episode, two episodes a group
     assert stats["rollout/turns_per_episode"] == 2 and stats["rollout/tool_calls_per_episode"] == 0

@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote
 
 import pytest
 
@@ -178,8 +177,31 @@ def recorded_turns(run) -> int:
     return sum(
         len(read_entries(path)[0])
         for path in run.episodes.glob("epoch*/*/*.jsonl")
-        if unquote(path.parent.name) not in used.get(int(path.parent.parent.name.removeprefix("epoch")), ())
+        if fsio.read_json(path.parent / "id.json")["query_id"]
+        not in used.get(int(path.parent.parent.name.removeprefix("epoch")), ())
     )
+
+
+def test_an_agent_that_sends_malformed_requests_every_episode_only_drops_its_prompts(
+    slurm_env, toy_job, say, plugins
+):
+    # The fault is the agent: one prompt in four sends requests that once stopped the rollout role every time.
+    fault = Fault("malformed-agent", 0)
+    run, job_id = toy_job(fault, *AGENT[:-1], "rollout.agent=sdk_agents:malformed_for_one_prompt_in_four")
+    ended = wait_ended(slurm_env, job_id, run)
+    records = list(Ledger(run.ledger).records())
+    trained = [i for r in records if not r.dropped for i in r.ids]
+    dropped = [(i, r.reason) for r in records if r.dropped for i in r.ids]
+    say(f"fault {fault.name}: {len(trained)} prompts trained, {len(dropped)} dropped, Slurm says {ended}")
+    assert set(ended.values()) == {"COMPLETED"}, job_log(run, "err")
+    assert next_attempt(run) == 1  # no restart: the role never failed
+    assert sorted(r.step for r in records if not r.dropped) == list(range(1, STEPS + 1))
+    assert len(trained) == len(set(trained)) == 4 * STEPS  # every other prompt trained once
+    malformed = lambda i: int(i.rsplit("-", 1)[-1]) % 4 == 1  # noqa: E731
+    assert dropped and all(malformed(i) and reason == "agent_error" for i, reason in dropped)
+    assert not any(malformed(i) for i in trained)
+    rows = [r for r in read_stats(run.stats) if "rollout/refused_requests_per_episode" in r]
+    assert sum(r["rollout/dropped_groups"] for r in rows) == len(dropped)
 
 
 @pytest.mark.slow  # a damaged checkpoint skipped: test_recover's unit test in make test

@@ -196,9 +196,11 @@ def test_a_step_records_its_groups_and_the_dropped_ones_by_prompt_epoch(tmp_path
     source = StoreRollouts(load_config(), run, StepGuard())
     source.store.put_dropped(0, 7, 1.0, "d", 1)
     source.dropped = source.store.dropped()  # as `next` takes them with the step's groups
-    source.consumed(4, StepBatch([], [("a", 0), ("b", 1)], dropped=[("d", 1)]))  # step 4 ends: recorded as 5
-    records = [(r.epoch, r.step, r.ids, r.dropped) for r in Ledger(run.ledger).records()]
-    assert records == [(0, 5, ("a",), False), (1, 5, ("b",), False), (1, 5, ("d",), True)]
+    dropped = [("d", 1, "agent_error"), ("e", 1, "timeout"), ("f", 1, "agent_error")]
+    source.consumed(4, StepBatch([], [("a", 0), ("b", 1)], dropped=dropped))  # step 4 ends: recorded as 5
+    records = [(r.epoch, r.step, r.ids, r.dropped, r.reason) for r in Ledger(run.ledger).records()]
+    assert records == [(0, 5, ("a",), False, None), (1, 5, ("b",), False, None),
+                       (1, 5, ("d", "f"), True, "agent_error"), (1, 5, ("e",), True, "timeout")]  # fmt: skip
     assert source.store.dropped() == []  # recorded once
 
 

@@ -1,7 +1,8 @@
 """Ledger of consumed sample ids (``RunDir.ledger``), written by the controller alone.
 
-One JSON line per step: ``{"epoch": e, "step": s, "ids": [...], "time": t}``, plus ``"dropped": true`` for
-prompts whose groups the success-rate filter dropped (used up without training). Each line is appended with a
+One JSON line per step: ``{"epoch": e, "step": s, "ids": [...], "time": t}``, plus ``"dropped": true`` and
+why (``"reason"``: success_rate, equal_rewards, surplus, timeout, agent_error) for prompts whose groups were
+dropped (used up without training). Each line is appended with a
 single write and fsync'd, so a crash can only tear the last line; readers skip a line that does not parse
 (with a warning) and the writer cuts a torn tail off before its first append, so it cannot glue onto it.
 """
@@ -30,6 +31,7 @@ class LedgerRecord:
     ids: tuple[str, ...]
     time: float = 0.0
     dropped: bool = False
+    reason: str | None = None  # why they were dropped
 
 
 class Ledger:
@@ -39,15 +41,24 @@ class Ledger:
         self.path = Path(path)
         self._repaired = False
 
-    def record(self, epoch: int, step: int, ids: Iterable[str | int], dropped: bool = False) -> None:
+    def record(
+        self,
+        epoch: int,
+        step: int,
+        ids: Iterable[str | int],
+        dropped: bool = False,
+        reason: str | None = None,
+    ) -> None:
         """Append the ids that ``step`` of ``epoch`` consumed (as strings) and fsync them; ``dropped``:
-        their groups were filtered out instead of trained on."""
+        their groups were filtered out instead of trained on, for ``reason``."""
         if not self._repaired:
             self._cut_torn_tail()
             self._repaired = True
         line = {"epoch": int(epoch), "step": int(step), "ids": [str(i) for i in ids], "time": time.time()}
         if dropped:
             line["dropped"] = True
+        if reason is not None:
+            line["reason"] = reason
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -82,6 +93,7 @@ class Ledger:
                     tuple(line["ids"]),
                     line.get("time", 0.0),
                     bool(line.get("dropped", False)),
+                    line.get("reason"),
                 )
             except (ValueError, KeyError, TypeError) as exc:
                 torn = "torn last line" if not raw.endswith(b"\n") else "bad line"

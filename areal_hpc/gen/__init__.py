@@ -20,6 +20,7 @@ from areal_hpc.gen.backends import ServerSpec, start_server
 from areal_hpc.gen.client import GenClient, GenServerError
 from areal_hpc.gen.episodes import (
     EPISODE_COUNTS,
+    GIVEN_UP,
     Episodes,
     episode_stats,
     episodes_step,
@@ -31,6 +32,7 @@ from areal_hpc.gen.rollout import group_params, rollout_step, sampling_params
 
 __all__ = [
     "EPISODE_COUNTS",
+    "GIVEN_UP",
     "Episodes",
     "GenClient",
     "GenServerError",

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jinja2
 import numpy as np
 
 from areal_hpc.agent import (
@@ -42,6 +43,15 @@ from areal_hpc.gen.partial import PartialAnswer, answers_of, finish
 
 class EpisodeCancelled(RuntimeError):
     """The episode was given up (its time ran out, or the role stops) while it generated."""
+
+
+class InvalidRequest(ValueError):
+    """A turn asked with what no server can take (ids outside the vocabulary, messages the chat template cannot
+    render): the asker's mistake (the endpoint answers it with 400, the agent's), never the servers'."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message = param, message
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Services:
     version_now: Callable[[], int] | None = None  # None: interruptible (the server tags each part)
     stop: threading.Event | None = None  # the role stops: requests waiting for admission give up
     max_context: int | None = None  # prompt + new tokens a server takes (its context length); None: no bound
+    vocab_size: int | None = None  # the model's token ids are below it (None: the tokenizer's length)
     journals: Journals | None = None  # where episodes record their generations (None: nowhere, no resume)
 
 
@@ -112,7 +123,7 @@ class EpisodeContext:
         """Sample a turn after ``ids``: ``sampling`` overrides the run's sampling params (ppo.gen); the turn ends
         at the first of the ``stop`` strings (its tokens up to the one that completes it are kept; its text ends
         before it). A turn recorded in the episode's journal before a restart is answered from there."""
-        ids = list(ids)
+        ids = self._checked(ids)
         traj = self.trajectories[-1] if self.trajectories else None
         if traj is None or not traj.extends(ids):
             self.counts["breaks"] += traj is not None
@@ -142,6 +153,19 @@ class EpisodeContext:
         text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
         self.last_turn = replace(turn, text=cut_text(text, stop))
         return self.last_turn
+
+    def _checked(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` as a list, each a token of the model's vocabulary (InvalidRequest names the first that is not)."""
+        vocab = self.services.vocab_size or len(self.tokenizer)
+        array = np.asarray(ids) if len(ids) else np.zeros(0, np.int64)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise InvalidRequest("prompt", "must be a list of integer token ids")
+        if len(outside := np.flatnonzero((array < 0) | (array >= vocab))):
+            at = int(outside[0])
+            raise InvalidRequest(
+                f"prompt[{at}]", f"token id {array[at]} is not in the vocabulary [0, {vocab})"
+            )
+        return array.tolist()
 
     async def _live(self, ids: list[int], params: dict, stop: Sequence[str]) -> Generation:
         answer = await asyncio.to_thread(self._sample, ids, params)
@@ -202,15 +226,8 @@ class EpisodeContext:
         parsed into ``tool_calls`` (``parse_tools`` false: the whole text is the content). When ``messages``
         extend the conversation so far (earlier messages and replies, unchanged), only the new messages' tokens
         are appended to the sampled ids. ``sampling`` and ``stop``: as for generate."""
-        renderer = self._renderer(tools)
         messages = list(messages)
-        traj = self.trajectories[-1] if self.trajectories else None
-        if self._continues(renderer, messages) and traj is not None and traj.turns:
-            last = traj.turns[-1]
-            new = messages[len(self._chat[1]) :]
-            ids = traj.ids + renderer.after_turn(new, traj.ids[last.start : last.end])
-        else:
-            ids = renderer.first(messages)
+        renderer, ids = self._render(messages, tools)
         turn = await self.generate(ids, sampling, stop)
         self._calls = parse_tool_calls(turn.text) if parse_tools else []
         reply: dict = {"role": "assistant", "content": content_of(turn.text) if parse_tools else turn.text}
@@ -218,6 +235,21 @@ class EpisodeContext:
             reply["tool_calls"] = calls
         self._chat = (renderer, [*messages, reply])
         return reply
+
+    def _render(self, messages: list[dict], tools: Sequence[dict] | None) -> tuple[ChatRenderer, list[int]]:
+        """The ids of a chat turn's context: the trajectory and the new messages' tokens when ``messages`` extend
+        the conversation, else their first rendering. What the template cannot render is InvalidRequest."""
+        try:
+            renderer = self._renderer(tools)
+            traj = self.trajectories[-1] if self.trajectories else None
+            if self._continues(renderer, messages) and traj is not None and traj.turns:
+                last = traj.turns[-1]
+                new = messages[len(self._chat[1]) :]
+                return renderer, traj.ids + renderer.after_turn(new, traj.ids[last.start : last.end])
+            return renderer, renderer.first(messages)
+        except (ValueError, TypeError, LookupError, RecursionError, jinja2.TemplateError) as exc:
+            # ChatTemplateError is a ValueError; a message the template did not expect fails in many ways
+            raise InvalidRequest("messages", f"the chat template cannot render them: {exc}") from exc
 
     def _continues(self, renderer: ChatRenderer, messages: list[dict]) -> bool:
         if self._chat is None or self._chat[0] is not renderer:

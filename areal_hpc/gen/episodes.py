@@ -49,6 +49,7 @@ PER_EPISODE = (
     "context_full",
     "replayed_turns",
     "replay_mismatches",
+    "refused_requests",  # an agent's requests the endpoint answered with a 4xx
 )
 EPISODE_COUNTS = (*PER_EPISODE, "tokens", "sampled_tokens")  # what a group's file records of its episodes
 
@@ -69,6 +70,9 @@ class AgentFailed(GroupDropped):
     """The user's agent failed an episode of the group (gen.agents)."""
 
     reason = "agent_error"
+
+
+GIVEN_UP = (GroupTimeout.reason, AgentFailed.reason)  # the drops rollout/dropped_groups counts
 
 
 @dataclass
@@ -98,15 +102,17 @@ def make_services(cfg: ExperimentConfig, tokenizer, rewards, **kwargs) -> Servic
     def score(text: str, record, ids) -> float:
         return rewards.score_batch([(text, record, tuple(ids))])[0]
 
-    return Services(tokenizer, r, score, toolbox, max_context=max_context(cfg), **kwargs)
+    model = AutoConfig.from_pretrained(cfg.actor.path)
+    return Services(tokenizer, r, score, toolbox, max_context=max_context(cfg, model),
+                    vocab_size=model.vocab_size, **kwargs)  # fmt: skip
 
 
-def max_context(cfg: ExperimentConfig) -> int:
+def max_context(cfg: ExperimentConfig, model) -> int:
     """The tokens (prompt and answer) a generation server takes: SGLang's context_length when set, else the
-    model's own (max_position_embeddings), which the built-in server and SGLang both default to."""
+    model's own (``model``'s max_position_embeddings), which the built-in server and SGLang both default to."""
     if gen_backend(cfg) == "sglang" and cfg.sglang.context_length:
         return cfg.sglang.context_length
-    return AutoConfig.from_pretrained(cfg.actor.path).max_position_embeddings
+    return model.max_position_embeddings
 
 
 class Episodes:
@@ -257,7 +263,7 @@ def episodes_step(
     counts: Counter = Counter()
     for g in filled.kept:
         counts.update(g.result.counts)
-    given_up = sum(g.result is None for g in filled.dropped)  # timeouts, agents' errors
+    given_up = sum(g.dropped in GIVEN_UP for g in filled.dropped)
     stats = episode_stats(counts, sum(len(g.rewards) for g in filled.kept), given_up)
     stats |= dynamic_stats(filled, len(prompts), cfg)
     if not filled.kept:

@@ -185,12 +185,12 @@ class Filled:
 
 class StepRollout(NamedTuple):
     """What a synchronous step rolled out: its batch file (None when no group was kept), its statistics, and
-    (query id, epoch) of the groups in the file, in file order, and of those dropped."""
+    (query id, epoch) of the groups in the file, in file order, and (query id, epoch, why) of those dropped."""
 
     path: Path | None
     stats: dict[str, float]
     kept: list[tuple[str, int]]
-    dropped: list[tuple[str, int]]
+    dropped: list[tuple[str, int, str]]
 
 
 def equal_rewards(rewards: Sequence[float]) -> bool:
@@ -267,7 +267,7 @@ def dynamic_stats(filled: Filled, n: int, cfg: ExperimentConfig) -> dict[str, fl
 def step_rollout(path: Path | None, stats: dict[str, float], filled: Filled) -> StepRollout:
     """The StepRollout of a step's groups."""
     used = [(g.prompt.query_id, g.epoch) for g in filled.kept]
-    return StepRollout(path, stats, used, [(g.prompt.query_id, g.epoch) for g in filled.dropped])
+    return StepRollout(path, stats, used, [(g.prompt.query_id, g.epoch, g.dropped) for g in filled.dropped])
 
 
 def answer_groups(

@@ -32,7 +32,7 @@ from areal_hpc.data import (
     sft_arrays,
     write_batch,
 )
-from areal_hpc.gen import EPISODE_COUNTS, episode_stats, episodes_step, rollout_step
+from areal_hpc.gen import EPISODE_COUNTS, GIVEN_UP, episode_stats, episodes_step, rollout_step
 from areal_hpc.master.guard import StepGuard
 
 logger = logging.getLogger("master")
@@ -53,15 +53,23 @@ class StepBatch:
     files: list[tuple[str, list[str]]]  # (path, groups)
     used: list[tuple[str, int]]  # (query id, the prompt's epoch) of every group
     stats: dict[str, float] = field(default_factory=dict)
-    # groups not trained on: given up (episodes' time, agents' errors), or dropped by dynamic sampling
-    dropped: list[tuple[str, int]] = field(default_factory=list)
+    # (query id, epoch, why) of the groups not trained on: given up (episodes' time, agents' errors), or
+    # dropped by dynamic sampling or the success-rate filter
+    dropped: list[tuple[str, int, str]] = field(default_factory=list)
 
 
-def record_used(ledger: Ledger, step: int, used: list[tuple[str, int]], dropped: bool = False) -> None:
+def record_used(ledger: Ledger, step: int, used: list[tuple[str, int]]) -> None:
     """Ledger records of the prompts `step` used, one per prompt epoch (the rollout side may run ahead into
     the next epoch)."""
     for epoch in sorted({e for _, e in used}):
-        ledger.record(epoch, step, [i for i, e in used if e == epoch], dropped=dropped)
+        ledger.record(epoch, step, [i for i, e in used if e == epoch])
+
+
+def record_dropped(ledger: Ledger, step: int, dropped: list[tuple[str, int, str]]) -> None:
+    """Ledger records of the groups `step` dropped, one per prompt epoch and reason."""
+    for epoch, reason in sorted({(e, r) for _, e, r in dropped}):
+        ids = [i for i, e, r in dropped if (e, r) == (epoch, reason)]
+        ledger.record(epoch, step, ids, dropped=True, reason=reason)
 
 
 class PromptSteps:
@@ -80,7 +88,7 @@ class PromptSteps:
     def consumed(self, step: int, batch: StepBatch) -> None:
         """Record the step's prompts, then drop its data (the original's clear_data_cache)."""
         record_used(self.ledger, step + 1, batch.used)
-        record_used(self.ledger, step + 1, batch.dropped, dropped=True)
+        record_dropped(self.ledger, step + 1, batch.dropped)
         shutil.rmtree(self.run.step_data(step), ignore_errors=True)
         self.mark = self.sampler.state_dict()
 
@@ -191,7 +199,7 @@ class StoreRollouts:
             }
         # A prompt may come back in a later epoch: the file's name names the group.
         files = [(str(path), [path.stem]) for path in paths]
-        dropped = [(d["query_id"], d["epoch"]) for _, d in self.dropped]
+        dropped = [(d["query_id"], d["epoch"], d.get("reason", "success_rate")) for _, d in self.dropped]
         return StepBatch(files, [(a["query_id"], a["epoch"]) for a in attrs], stats, dropped)
 
     def wait(self, n: int) -> list[Path]:
@@ -229,7 +237,7 @@ class StoreRollouts:
         """Record the groups trained on and those dropped meanwhile (equal rewards, success rate, time); remove
         them."""
         record_used(self.ledger, step + 1, batch.used)
-        record_used(self.ledger, step + 1, batch.dropped, dropped=True)
+        record_dropped(self.ledger, step + 1, batch.dropped)
         self.store.remove([path for path, _ in self.dropped])
         self.store.remove([Path(path) for path, _ in batch.files])
         shutil.rmtree(self.run.step_data(step), ignore_errors=True)
@@ -260,6 +268,6 @@ def rollout_stats(paths: list[Path], attrs: list[dict], dropped: list[dict] = ()
     }
     if any("episodes" in a for a in attrs):
         counts = Counter({name: sum(a.get(f"episode_{name}", 0) for a in attrs) for name in EPISODE_COUNTS})
-        timeouts = sum(d.get("reason") == "timeout" for d in dropped)
-        stats |= episode_stats(counts, sum(a.get("episodes", 0) for a in attrs), timeouts)
+        given_up = sum(d.get("reason") in GIVEN_UP for d in dropped)
+        stats |= episode_stats(counts, sum(a.get("episodes", 0) for a in attrs), given_up)
     return stats

@@ -7,6 +7,7 @@ import json
 import operator
 import re
 
+import httpx
 import openai
 
 CALCULATOR = {
@@ -121,3 +122,54 @@ async def three_turns_or_hangs(base_url, api_key, record):
     if int(record.query_id.rsplit("-", 1)[-1]) % 3 == 0:
         await asyncio.sleep(3600)
     return await three_turns(base_url, api_key, record)
+
+
+def _deep(levels: int):
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+# Requests that once stopped the rollout role (each a 503 and an exception that was not the agent's), as raw
+# bodies: the SDK would refuse to encode the lone surrogate itself.
+MALFORMED = [
+    ("/completions", {"model": "policy", "prompt": [3000000000], "max_tokens": 2}),
+    ("/completions", {"model": "policy", "prompt": [1, 5000], "max_tokens": 2}),
+    ("/chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "hi \ud800"}]}),
+    (
+        "/chat/completions",
+        {
+            "model": "policy",
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "calculator", "arguments": {"x": _deep(900)}},
+                        }
+                    ],
+                },
+            ],
+        },
+    ),
+]
+
+
+async def malformed_for_one_prompt_in_four(base_url, api_key, record):
+    """paced_turns, but the agents of one prompt in four send every malformed request above and, each
+    refused with a 4xx as it must be, give up; were one served, the episode would end with a reward of 0."""
+    if int(record.query_id.rsplit("-", 1)[-1]) % 4 != 1:
+        return await paced_turns(base_url, api_key, record)
+    statuses = []
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}, timeout=60) as http:
+        for path, body in MALFORMED:
+            response = await http.post(base_url + path, content=json.dumps(body).encode())
+            statuses.append(response.status_code)
+    if all(400 <= status < 500 for status in statuses):
+        raise RuntimeError(f"the endpoint refused every request: {statuses}")
+    return 0.0
