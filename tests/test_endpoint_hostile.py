@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import socket
 import threading
 import time
+from contextlib import suppress
 from urllib.parse import urlsplit
 
 import openai
@@ -181,6 +183,35 @@ def test_the_key_is_checked_before_the_body_is_read(endpoint):
     assert answer.startswith(b"HTTP/1.1 401") and b"Connection: close" in answer
 
 
+def rss_mb() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_a_body_of_no_stated_length_is_refused_unread(builtin_client, svc, endpoint):
+    # The review's: Content-Length -1 and 300 MiB sent took the endpoint from 0.3 to 0.9 GB (rfile.read(-1)).
+    seen = {}
+
+    def flood(api_key: str) -> None:
+        before = rss_mb()
+        head = request("/chat/completions", {"Authorization": f"Bearer {api_key}", "Content-Length": -1})
+        with socket.create_connection(address(endpoint), timeout=10) as sock:
+            sock.sendall(head + b"{" * 65536)
+            seen["answer"] = sock.recv(65536)
+            with suppress(OSError):  # the endpoint has closed: the rest is refused by the kernel
+                for _ in range(299):
+                    sock.sendall(b"x" * 2**20)
+        seen["grew"] = rss_mb() - before
+
+    async def agent(base_url, api_key, record):
+        await asyncio.to_thread(flood, api_key)
+        return 1.0
+
+    result = run_group(svc, function_agent(agent, endpoint), builtin_client, RECORD, PARAMS, 1, 60)
+    assert result.rewards == [1.0] and result.counts["refused_requests"] == 1
+    assert seen["answer"].startswith(b"HTTP/1.1 400") and b"Content-Length" in seen["answer"]
+    assert seen["grew"] < 100, seen
+
+
 def test_bad_framing_is_a_4xx_and_a_chunked_body_keeps_the_connection_in_step(builtin_client, svc, endpoint):
     seen = {}
 
@@ -222,22 +253,25 @@ def test_bad_framing_is_a_4xx_and_a_chunked_body_keeps_the_connection_in_step(bu
     assert second.startswith(b"200") and b'"object": "list"' in second
 
 
-def test_idle_and_slow_connections_lose_their_thread_and_past_the_cap_get_503(builtin_client, svc, endpoint):
-    threads = threading.active_count()
-    idle = [socket.create_connection(address(endpoint), timeout=10) for _ in range(8)]
-    time.sleep(0.3)
-    with socket.create_connection(address(endpoint), timeout=10) as over:
-        answer = over.recv(65536)
-    assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
-    idle[0].sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # and never the rest
-    start = time.monotonic()
-    for sock in idle:  # each closed by the endpoint, the slow one too
-        assert sock.recv(65536) == b""
-        sock.close()
-    assert time.monotonic() - start < 5
-    deadline = time.monotonic() + 5
-    while threading.active_count() > threads and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert threading.active_count() <= threads
-    result = run_group(svc, function_agent(well_behaved, endpoint), builtin_client, RECORD, PARAMS, 4, 60)
-    assert result.rewards == [1.0] * 4
+def test_idle_and_slow_connections_lose_their_thread_and_past_the_cap_get_503(builtin_client, svc):
+    # The review's: 150 connections that send nothing, under 120 threads (they used to hold 119 for good).
+    endpoint = Endpoint("policy", max_connections=120, read_secs=1.0)
+    try:
+        threads = threading.active_count()
+        idle = [socket.create_connection(address(endpoint), timeout=10) for _ in range(150)]
+        idle[0].sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # a slow one: and never the rest
+        start = time.monotonic()
+        answers = [sock.recv(65536) for sock in idle]  # each closed by the endpoint: at once past the cap
+        assert time.monotonic() - start < 5
+        assert answers.count(b"") == 120 and all(b"too_many_connections" in a for a in answers if a)
+        assert all(a.startswith(b"HTTP/1.1 503") for a in answers if a)
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() <= threads
+        result = run_group(svc, function_agent(well_behaved, endpoint), builtin_client, RECORD, PARAMS, 4, 60)
+        assert result.rewards == [1.0] * 4
+    finally:
+        endpoint.shutdown()
