@@ -3,6 +3,7 @@ in the background while training goes on, loaded by the same or another number o
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -162,6 +163,47 @@ def test_two_ranks_to_one_plain_model(by_two, tmp_path):
 def test_one_rank_to_two(tmp_path):
     by_one = save_on(1, tmp_path)
     spawn(2, tmp_path, _resume_and_step, by_one.folder, by_one.out, True)
+
+
+# torch's threads of gloo groups (workers, I/O loops) and of rank 0's TCPStore server, by name
+GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+
+
+def group_threads() -> list[str]:
+    tasks = Path("/proc/self/task")
+    names = [(tasks / tid / "comm").read_text().strip() for tid in os.listdir(tasks)]
+    return [name for name in names if name in GROUP_THREADS]
+
+
+def _resume_then_destroy(folder: Path, out: Path) -> None:
+    _resume_and_step(folder, out, True)
+    dist.barrier()
+    dist.destroy()  # _rank_main's barrier and destroy are then no-ops
+    assert not group_threads(), group_threads()
+
+
+def _hold_model_over_destroy(rank: int, world: int, init_file: str, folder: Path, out: Path) -> None:
+    """A rank that still holds its model when it destroys the group: the group is freed at exit. The check
+    is registered first, so that it runs after dist's own atexit handler."""
+    atexit.register(lambda: (out / f"threads{rank}.json").write_text(json.dumps(group_threads())))
+    torch.set_num_threads(1)
+    dist.init_distributed(rank, world, init_file, timeout_s=60)
+    model, optimizer = make_model(seed=1)
+    resume(model, optimizer, folder)
+    dist.barrier()
+    dist.destroy()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_no_group_thread_outlives_destroy_or_exit(by_two, tmp_path):
+    """dist.destroy frees the group, although DTensor's caches keep the model's DeviceMesh (and so the group);
+    a group the rank still holds is freed at exit. Otherwise a gloo worker that frees a completed collective
+    late, while the interpreter shuts down, must take the GIL, is ended by pthread_exit inside a noexcept
+    destructor, and the rank aborts ("terminate called without an active exception")."""
+    spawn(2, tmp_path, _resume_then_destroy, by_two.folder, by_two.out)
+    init_file = str(tmp_path / "init-held")
+    mp.spawn(_hold_model_over_destroy, args=(2, init_file, by_two.folder, tmp_path), nprocs=2)
+    assert [json.loads((tmp_path / f"threads{r}.json").read_text()) for r in range(2)] == [[], []]
 
 
 def test_one_copy_of_the_state(by_two):

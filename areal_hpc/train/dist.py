@@ -11,7 +11,10 @@ torch.distributed is not initialised or the world has one rank, so single-proces
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ DEFAULT_TIMEOUT_S = 600.0
 MEETING_POLL_S = 0.1  # the longest sleep between two reads of the meeting file (shared storage)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+_RELEASES: list[Callable[[], None]] = []  # see on_release
+_EXIT_HOOKED = False  # whether _release_at_exit is registered
 
 
 def local_rank(rank: int = 0) -> int:
@@ -99,6 +104,10 @@ def _join(store: dist.Store, rank: int, world_size: int, backend: str | None, ti
         torch.cuda.set_device(device_index(local_rank(rank), torch.cuda.device_count()))
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:  # once: the groups a rank still held at destroy (its models) are gone by exit
+        atexit.register(_release_at_exit)
+        _EXIT_HOOKED = True
     return backend
 
 
@@ -110,9 +119,49 @@ def init_alone() -> None:
 
 
 def destroy() -> None:
-    """Leave the process group (no-op when not initialised)."""
-    if is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group and free it and its subgroups, so that their threads end now and not while the
+    interpreter shuts down (no-op when not initialised). A group the caller still holds (through a model) is
+    freed at exit instead, before the interpreter shuts down.
+
+    torch's destroy_process_group stops no thread of a gloo group: its workers (and rank 0's store server) end
+    only in the group's destructor, once nothing references the group, and DTensor's caches keep every
+    DeviceMesh an FSDP2 model used, and so its groups, for good. A worker that frees a completed collective late
+    (kept off a busy CPU) while the interpreter shuts down must take the GIL to free a tensor Python dropped, is
+    ended there by pthread_exit inside a noexcept destructor, and std::terminate aborts the rank ("terminate
+    called without an active exception").
+    """
+    if not is_initialized():
+        return
+    dist.destroy_process_group()
+    _free_groups()
+
+
+def on_release(release: Callable[[], None]) -> None:
+    """Have ``release`` run whenever the groups are freed (``destroy``, and at exit): for code that keeps groups
+    where the caller cannot drop them, such as a library's globals (Megatron's parallel_state)."""
+    if release not in _RELEASES:
+        _RELEASES.append(release)
+
+
+def _release_at_exit() -> None:
+    """atexit: destroy the group if the process did not, and free the groups whose holders are gone by now;
+    atexit handlers run while the interpreter is whole."""
+    destroy()
+    _free_groups()
+
+
+def _free_groups() -> None:
+    """Drop the references to process groups kept beyond the caller's objects, then collect: each group left
+    unreferenced is freed, its destructor joining its threads (with the GIL released, so that a worker can
+    still free what it holds)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for release in _RELEASES:
+        release()
+    # type(), not isinstance: DeviceMesh's metaclass inspects the instance, and these are arbitrary objects
+    for mesh in [obj for obj in gc.get_objects() if issubclass(type(obj), DeviceMesh)]:
+        vars(mesh).get("_pg_registry", {}).clear()  # name -> group; unusable once the groups are destroyed
+    gc.collect()  # an FSDP2 model dropped by the caller is cycles, which hold the group too
 
 
 def is_initialized() -> bool:

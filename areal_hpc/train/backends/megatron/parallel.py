@@ -28,6 +28,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe import token_dispatcher
 from torch.overrides import TorchFunctionMode
 
+from areal_hpc.train import dist
 from areal_hpc.train.backends.megatron.convert import Layout
 
 
@@ -153,6 +154,19 @@ def _own_groups(tp: int, pp: int) -> ProcessGroupCollection:
     groups.dp_cp, groups.pos_embd = groups.dp, None  # no context parallelism; rotary positions
     groups.embd = group([sorted({p[0], p[-1]}) for p in along(0)])  # a tied embedding's: first and last stage
     return groups
+
+
+def _release_groups() -> None:
+    """Drop the groups held in Megatron's globals and by ``_own_groups``, so that dist can free them (and end
+    their gloo threads) when the trainer's group is destroyed; the next model sets them anew."""
+    parallel_state.destroy_model_parallel()
+    for name, value in list(vars(parallel_state).items()):  # 0.16's destroy leaves the partial-DP groups set
+        if isinstance(value, torch.distributed.ProcessGroup):
+            setattr(parallel_state, name, None)
+    _own_groups.cache_clear()
+
+
+dist.on_release(_release_groups)
 
 
 def layout_of(groups: ProcessGroupCollection) -> Layout:
