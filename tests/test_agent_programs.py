@@ -24,6 +24,7 @@ import pytest
 from areal_hpc.agent import AgentIsolationError
 from areal_hpc.agent.programs import FIRST_UID, UIDS
 from areal_hpc.config import ConfigError, load_config
+from areal_hpc.control import RunDir
 from areal_hpc.control.fsio import name_of
 from areal_hpc.data import PromptSample
 from areal_hpc.gen.agents import command_agent
@@ -63,7 +64,7 @@ def run_hostile(args, client, tokenizer, run_dir, *overrides, record=RECORD, tim
     builds it (Episodes, logs in the run directory's logs/agents)."""
     command = shlex.join([sys.executable, str(HOSTILE), *args])
     cfg = load_config([TOY], [f"rollout.agent_command={command}", *overrides])
-    episodes = Episodes(cfg, services(tokenizer), run_dir / "logs" / "agents")
+    episodes = Episodes(cfg, services(tokenizer), RunDir(run_dir))
     try:
         return run_group(episodes.services, episodes.workflow, client, record, PARAMS, 2, timeout)
     finally:

@@ -23,6 +23,7 @@ from transformers import AutoConfig
 
 from areal_hpc.agent import AgentError, Sample, Toolbox, export, load_tools, workflows
 from areal_hpc.config import ExperimentConfig, extensions, gen_backend
+from areal_hpc.control import RunDir
 from areal_hpc.data import write_batch
 from areal_hpc.gen.agents import command_agent, function_agent
 from areal_hpc.gen.endpoint import Endpoint
@@ -118,18 +119,17 @@ def max_context(cfg: ExperimentConfig, model) -> int:
 class Episodes:
     """The groups of a rollout process: its workflow (rollout.workflow) over its services."""
 
-    def __init__(self, cfg: ExperimentConfig, services: Services, agent_logs: Path | None = None):
-        """``agent_logs``: where rollout.agent_command's output goes (RunDir.agent_logs)."""
+    def __init__(self, cfg: ExperimentConfig, services: Services, run: RunDir | None = None):
+        """``run``: where rollout.agent_command's output goes (its agent_logs), and what its program must not see
+        (the run directory, its secret)."""
         self.cfg, self.services = cfg, services
         r = cfg.rollout
         self.endpoint = Endpoint(r.agent_model) if r.agent or r.agent_command else None
         if r.agent:
             self.workflow = function_agent(extensions.load("rollout.agent", r.agent), self.endpoint)
         elif r.agent_command:
-            # The program must not see the run directory (its secret): RunDir.agent_logs is <run dir>/logs/agents.
-            hidden = (agent_logs.parents[1],) if agent_logs else ()
-            self.workflow = command_agent(r.agent_command, self.endpoint, agent_logs, r.agent_output_bytes,
-                                          env_names=r.agent_env, hidden=hidden, isolation=r.agent_isolation)  # fmt: skip
+            self.workflow = command_agent(r.agent_command, self.endpoint, run.agent_logs, r.agent_output_bytes,
+                                          env_names=r.agent_env, hidden=[run.root], isolation=r.agent_isolation)  # fmt: skip
         else:
             self.workflow = extensions.load("rollout.workflow", r.workflow)
 

@@ -60,7 +60,7 @@ def run(ctx: RunContext) -> None:
             services = make_services(
                 cfg, tokenizer, rewards, version_now=version_now, stop=stop, journals=journals
             )
-            shared.episodes = Episodes(cfg, services, ctx.run.agent_logs)
+            shared.episodes = Episodes(cfg, services, ctx.run)
         workers = [
             RolloutWorker(i, n_workers, shared, -(-max_concurrent // n_workers)) for i in range(n_workers)
         ]

@@ -96,7 +96,7 @@ class Master:
             episodes = None
             if not is_single_turn(cfg):
                 services = make_services(cfg, tokenizer, rewards, journals=Journals(run.episodes))
-                episodes = Episodes(cfg, services, run.agent_logs)
+                episodes = Episodes(cfg, services, run)
             self.source = SyncRollouts(cfg, run, train, clients, rewards, episodes)
         self.buffer = Buffer([awaited(mfc) for mfc in graph])  # no call waits for an optional key
         self.counter = make_counter(cfg, len(train))
