@@ -219,12 +219,27 @@ def test_masked_normalize_keeps_dtype_and_survives_an_empty_mask():
     assert out.dtype == torch.float32 and out.tolist() == [0, 0, 0]
 
 
-def test_group_normalize_matches_naive_per_group():
+def test_group_normalize_per_answer_is_grpos():
+    """Rewards 1, -1, -1 on answers of 1, 3 and 5 tokens. GRPO (DeepSeekMath): (R - mean R) / std R per answer,
+    mean -1/3, std sqrt(8/9): 1.414, -0.707, -0.707. Per token (the original's) the eight tokens of the wrong
+    answers pull the mean to -7/9: 2.828, -0.354, -0.354."""
+    lengths, rewards = [1, 3, 5], [1.0, -1.0, -1.0]
+    x = t([r for r, n in zip(rewards, lengths, strict=True) for _ in range(n)])
+    mask, cu = torch.ones(9, dtype=torch.bool), torch.tensor([0, 1, 4, 9])
+    answer = group_masked_normalize(x, mask, cu, group_size=3, eps=0.0)
+    assert answer[[0, 1, 4]].tolist() == pytest.approx([math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)])
+    token = group_masked_normalize(x, mask, cu, group_size=3, level="token", eps=0.0)
+    assert token[[0, 1, 4]].tolist() == pytest.approx([2**1.5, -(2**0.5) / 4, -(2**0.5) / 4])
+    with pytest.raises(AlgoInputError, match="level 'answers'"):
+        group_masked_normalize(x, mask, cu, group_size=3, level="answers")
+
+
+def test_group_normalize_per_token_matches_naive_per_group():
     for seed in range(10):
         batch = random_batch(seed, n_seqs=6)
         x, cu = batch["rewards"], batch["cu"]
         mask = response_mask(batch["prompt_mask"], cu)
-        out = group_masked_normalize(x, mask, cu, group_size=3)
+        out = group_masked_normalize(x, mask, cu, group_size=3, level="token")
         expected = [0.0] * len(x)
         for group in ([0, 1, 2], [3, 4, 5]):
             idx = [i for b in group for i in range(int(cu[b]), int(cu[b + 1]))]
@@ -235,7 +250,7 @@ def test_group_normalize_matches_naive_per_group():
         torch.testing.assert_close(out, t(expected))
         # Explicit ids (any labels, any order) give the same as consecutive groups.
         ids = torch.tensor([7, 7, 7, 2, 2, 2])
-        torch.testing.assert_close(group_masked_normalize(x, mask, cu, group_ids=ids), out)
+        torch.testing.assert_close(group_masked_normalize(x, mask, cu, group_ids=ids, level="token"), out)
 
 
 def test_group_normalize_needs_exactly_one_grouping():

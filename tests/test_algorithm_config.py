@@ -17,6 +17,7 @@ ALGORITHMS = ROOT / "configs/algorithms"
 PRESETS = {
     "grpo": {
         "ppo.group_adv_norm": True,
+        "ppo.group_norm_level": "answer",
         "ppo.adv_norm": True,
         "ppo.group_baseline": "none",
         "ppo.kl_ctl": 0.0,
@@ -30,6 +31,7 @@ PRESETS = {
     "dapo": {
         "ppo.eps_clip": 0.2,
         "ppo.eps_clip_higher": 0.28,
+        "ppo.group_norm_level": "answer",
         "dynamic_sampling": True,
         "ppo.overlong_buffer": 0.2,
         "ppo.reward_output_scaling": 1.0,
@@ -39,8 +41,15 @@ PRESETS = {
         "ppo.eps_clip": 3e-4,
         "ppo.eps_clip_higher": 4e-4,
         "ppo.loss_agg_mode": "seq-mean-token-mean",
+        "ppo.group_norm_level": "answer",
     },
-    "cispo": {"ppo.policy_loss": "cispo", "ppo.eps_clip": 1.0, "ppo.eps_clip_higher": 0.28},
+    "cispo": {
+        "ppo.policy_loss": "cispo",
+        "ppo.eps_clip": 1.0,
+        "ppo.eps_clip_higher": 0.28,
+        "ppo.group_norm_level": "answer",
+        "ppo.behav_correction.action": "clamp",  # every token keeps its gradient
+    },
     "rloo": {"ppo.group_baseline": "leave_one_out", "ppo.adv_norm": False, "ppo.group_adv_norm": False},
     "reinforce_pp": {
         "ppo.group_baseline": "none",
@@ -126,6 +135,11 @@ REFUSED = [
     (["ppo.group_baseline=mean"], "'ppo.group_baseline' mean with 'ppo.group_adv_norm' true"),
     (["ppo.policy_loss=cispo", "ppo.c_clip=3"], "'ppo.c_clip' (dual clip) bounds the PPO loss"),
     (
+        ["ppo.recompute_logprob=false", "ppo.use_decoupled_loss=false", "ppo.policy_loss=cispo"],
+        "'ppo.policy_loss' cispo keeps a gradient on every token, but 'ppo.behav_correction.action' mask",
+        "ppo.behav_correction.action=clamp",
+    ),
+    (
         ["ppo.overlong_buffer=0.02"],
         "'ppo.overlong_buffer' 0.02 of 'ppo.gen.max_new_tokens' 16 is less than one token",
     ),
@@ -169,6 +183,7 @@ DOES_NOTHING = [
         "ppo.behav_correction.upper=2",
         "the behaviour policy does not enter the loss",
     ),
+    ("ppo.group_adv_norm=false", "ppo.group_norm_level=token", "there is no group normalisation"),
     ("experiment_type=sft", "ppo.policy_loss=cispo", "it applies to RL (experiment_type: ppo)"),
     ("experiment_type=sft", "dynamic_sampling=true", "it applies to RL (experiment_type: ppo)"),
 ]

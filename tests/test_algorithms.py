@@ -9,9 +9,10 @@ import torch
 
 from areal_hpc.algo.advantages import Overlong, compute_advantages, group_baseline, overlong_penalty
 from areal_hpc.algo.aggregation import Totals, aggregate, local_totals
-from areal_hpc.algo.corrections import Correction, behaviour_weight, kl_estimate, loglinear_proximal
+from areal_hpc.algo.corrections import Correction, behaviour_weight, loglinear_proximal
 from areal_hpc.algo.packing import AlgoInputError
 from areal_hpc.algo.ppo import actor_loss, summarize
+from areal_hpc.train.interfaces import EarlyStop
 
 F64 = torch.float64
 
@@ -33,20 +34,20 @@ def cu(*lengths):
 
 def test_token_mask_keeps_tokens_whose_ratio_is_in_bounds():
     # pi/mu = 2, 0.25, 8: with bounds [0.5, 5] the second and the third are masked (weight 0).
-    w, raw, kept = behaviour_weight(
+    judged = behaviour_weight(
         torch.log(t([2.0, 0.25, 8.0])), t([0.0] * 3), ones(3), cu(3), Correction(lower=0.5)
     )
-    assert w.tolist() == pytest.approx([2.0, 0.0, 0.0])
-    assert raw.tolist() == pytest.approx([2.0, 0.25, 8.0]) and kept.tolist() == [True, False, False]
+    assert judged.weight.tolist() == pytest.approx([2.0, 0.0, 0.0])
+    assert judged.log_raw.exp().tolist() == pytest.approx([2.0, 0.25, 8.0])
+    assert judged.kept.tolist() == [True, False, False]
 
 
 def test_sequence_level_uses_the_geometric_mean_of_the_answer():
     # Answer 1: ratios 2 and 8, geometric mean 4 (> 3: masked whole); answer 2: 0.5 and 2, mean 1 (kept).
     logp = torch.log(t([2.0, 8.0, 0.5, 2.0]))
-    w, _, kept = behaviour_weight(
-        logp, t([0.0] * 4), ones(4), cu(2, 2), Correction(level="sequence", upper=3.0)
-    )
-    assert w.tolist() == pytest.approx([0.0, 0.0, 1.0, 1.0]) and kept.tolist() == [False, False, True, True]
+    judged = behaviour_weight(logp, t([0.0] * 4), ones(4), cu(2, 2), Correction(level="sequence", upper=3.0))
+    assert judged.weight.tolist() == pytest.approx([0.0, 0.0, 1.0, 1.0])
+    assert judged.kept.tolist() == [False, False, True, True]
 
 
 def test_clamp_truncates_the_weight_and_its_bounds_hold():
@@ -54,22 +55,113 @@ def test_clamp_truncates_the_weight_and_its_bounds_hold():
     logp = torch.randn(50, dtype=F64, generator=g) * 2
     for level in ("token", "sequence"):
         corr = Correction(level=level, action="clamp", lower=0.5, upper=2.0)
-        w, raw, kept = behaviour_weight(logp, t([0.0] * 50), ones(50), cu(20, 30), corr)
-        assert bool(kept.all()) and float(w.min()) >= 0.5 and float(w.max()) <= 2.0
+        judged = behaviour_weight(logp, t([0.0] * 50), ones(50), cu(20, 30), corr)
+        w, raw = judged.weight, judged.log_raw.exp()
+        assert bool(judged.kept.all()) and float(w.min()) >= 0.5 and float(w.max()) <= 2.0
         inside = (raw >= 0.5) & (raw <= 2.0)
-        assert torch.equal(w[inside], raw[inside])  # untouched within the bounds
+        torch.testing.assert_close(w[inside], raw[inside], rtol=1e-15, atol=0)  # untouched within the bounds
 
 
 @pytest.mark.parametrize(
     "metric, value",
-    [("k1", math.log(2)), ("k2", math.log(2) ** 2 / 2), ("k3", 0.5 - 1 + math.log(2))],
+    [("k1", -math.log(2)), ("k2", math.log(2) ** 2 / 2), ("k3", 2 - 1 - math.log(2))],
 )
 def test_kl_metrics_of_a_ratio_of_two(metric, value):
-    # pi/mu = 2: rho = mu/pi = 1/2; k1 = -log rho, k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho.
-    assert kl_estimate(t([math.log(2)]), t([0.0]), metric).item() == pytest.approx(value)
+    # verl's direction: r = pi/mu = 2 on a token sampled from mu; k1 = -log r, k2 = (log r)^2 / 2,
+    # k3 = r - 1 - log r (an estimate of KL(mu || pi), never negative).
     corr = Correction(metric=metric, upper=value - 1e-9)  # just below: masked
-    w, _, kept = behaviour_weight(t([math.log(2)]), t([0.0]), ones(1), cu(1), corr)
-    assert not kept.any() and w.item() == 0.0
+    judged = behaviour_weight(t([math.log(2)]), t([0.0]), ones(1), cu(1), corr)
+    assert not judged.kept.any() and judged.weight.item() == 0.0
+    corr = Correction(metric=metric, upper=value + 1e-9)  # just above: kept, with its ratio as weight
+    judged = behaviour_weight(t([math.log(2)]), t([0.0]), ones(1), cu(1), corr)
+    assert judged.weight.item() == pytest.approx(2.0)
+
+
+def test_verl_rollout_correction_presets_mean_the_same_here():
+    """verl's seq_mean_k3 (its K3-RS preset, 0.01) and seq_mean_k1 "0.999_1.001" (Geo-RS, bounds on the
+    answer's geometric mean ratio) as {level: sequence, metric: k3, upper: 0.01} and {level: sequence, metric:
+    ratio, lower: 0.999, upper: 1.001}; verl's token_k1 "0.5_1.5" as {metric: ratio, lower: 0.5, upper: 1.5}."""
+    g = torch.Generator().manual_seed(1)
+    seq = torch.arange(40) // 20  # two answers of 20 tokens, the second further from mu
+    log_r = torch.randn(40, dtype=F64, generator=g) * torch.where(seq == 0, 0.1, 0.3)  # log(pi/mu)
+    per_answer = lambda x: torch.stack([x[seq == i].mean() for i in range(2)])[seq]  # noqa: E731
+    k3 = torch.exp(log_r) - 1 - log_r  # verl: exp(log r) - 1 - log r, r = pi_old / pi_rollout
+    corr = Correction(level="sequence", metric="k3", upper=0.01)
+    kept = behaviour_weight(log_r, t([0.0] * 40), ones(40), cu(20, 20), corr).kept
+    assert torch.equal(kept, per_answer(k3) <= 0.01) and kept.any() and not kept.all()
+    corr = Correction(level="sequence", lower=0.999, upper=1.001)
+    kept = behaviour_weight(log_r, t([0.0] * 40), ones(40), cu(20, 20), corr).kept
+    assert torch.equal(kept, (per_answer(log_r) >= math.log(0.999)) & (per_answer(log_r) <= math.log(1.001)))
+    kept = behaviour_weight(log_r, t([0.0] * 40), ones(40), cu(40), Correction(lower=0.5, upper=1.5)).kept
+    assert torch.equal(kept, (torch.exp(log_r) >= 0.5) & (torch.exp(log_r) <= 1.5))
+
+
+# Three answers: one sampled where pi is e^200 times likelier than mu, one e^-200, one near mu.
+EXTREME_LOG_RATIOS = [200.0] * 4 + [-200.0] * 4 + [0.3, -0.3, 0.05, 1.0]
+EXTREME_ADV = [1.0, -1.0, 0.5, -2.0] * 3
+BOUNDED = [  # every correction whose bounds hold both extremes: (level, action, metric, lower, upper)
+    ("token", "mask", "ratio", None, 5.0),
+    ("token", "mask", "ratio", 0.5, 2.0),
+    ("sequence", "mask", "ratio", None, 5.0),
+    ("token", "clamp", "ratio", None, 2.0),
+    ("token", "clamp", "ratio", 0.5, 2.0),
+    ("sequence", "clamp", "ratio", 0.5, 2.0),
+    ("token", "mask", "k1", -1.0, 1.0),
+    ("sequence", "mask", "k1", -1.0, 1.0),
+    ("token", "mask", "k2", None, 1.0),
+    ("token", "mask", "k3", None, 1.0),
+    ("sequence", "mask", "k3", None, 0.5),
+]
+
+
+@pytest.mark.parametrize(
+    "bounds, policy_loss, policies",
+    [
+        (b, loss, policies)
+        for b in BOUNDED
+        for loss in ("ppo", "gspo", "gspo_token", "cispo")
+        for policies in (2, 3)
+        if not (loss == "cispo" and policies == 2 and b[1] == "mask")  # refused (below)
+    ],
+)
+def test_log_ratios_of_200_give_float32_what_float64_gives(bounds, policy_loss, policies):
+    """The correction runs in log space: e^+-200 never overflows float32 (e^200 is inf there, e^-200 is 0, and
+    the old weight/raw made 0/0), so the loss and its gradient are finite and equal float64's."""
+    correction = Correction(*bounds)
+    results = []
+    for dtype in (F64, torch.float32):
+        logp = (torch.linspace(-3.0, -0.5, 12, dtype=F64)).to(dtype).requires_grad_(True)
+        proximal = (logp.detach() - 0.05) if policies == 3 else None
+        target = logp.detach() if proximal is None else proximal
+        behaviour = target - t(EXTREME_LOG_RATIOS, dtype)
+        loss, stats = actor_loss(
+            logp, behaviour, t(EXTREME_ADV, dtype), ones(12), cu_seqlens=cu(4, 4, 4), policy_loss=policy_loss,
+            eps_clip=1.0 if policy_loss == "cispo" else 0.2, eps_clip_higher=0.28, proximal_logprobs=proximal,
+            correction=correction, loss_agg_mode="seq-mean-token-mean",
+        )  # fmt: skip
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), dtype
+        results.append((loss.detach().double(), logp.grad.double(), summarize(stats)["actor_loss/avg"]))
+    (loss64, grad64, avg64), (loss32, grad32, avg32) = results
+    torch.testing.assert_close(loss32, loss64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad32, grad64, rtol=1e-5, atol=1e-6)
+    assert math.isfinite(avg32) and avg32 == pytest.approx(avg64, rel=1e-5, abs=1e-6)
+
+
+def test_two_policy_clamp_weights_cispo_by_its_own_clipped_weight():
+    # r = pi/mu = 10, truncated at C = 2: cispo's weight is clip(min(r, C), 0, 1.28) = 1.28, not 1.28 * 2/10.
+    logp = t([math.log(10.0)]).requires_grad_(True)
+    loss, _ = actor_loss(
+        logp, t([0.0]), t([1.0]), ones(1), policy_loss="cispo", eps_clip=1.0, eps_clip_higher=0.28,
+        correction=Correction(action="clamp", upper=2.0),
+    )  # fmt: skip
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-1.28)  # -A * 1.28 * dlog(pi)
+
+
+def test_cispo_refuses_masking_its_own_ratio():
+    with pytest.raises(AlgoInputError, match="cispo keeps every token's gradient"):
+        actor_loss(t([0.0]), t([0.0]), t([1.0]), ones(1), policy_loss="cispo", correction=Correction())
 
 
 def test_a_correction_refuses_what_it_cannot_do():
@@ -241,6 +333,23 @@ def test_a_minibatch_cut_differently_gives_the_same_gradient(mode, policy_loss):
     whole = gradient([[0, 1, 2, 3, 4, 5]])
     torch.testing.assert_close(gradient([[0, 1], [2, 3, 4], [5]]), whole, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(gradient([[5, 0], [3], [1, 4, 2]]), whole, rtol=1e-12, atol=1e-14)
+
+
+def test_early_stop_judges_the_whole_minibatch_however_it_is_cut():
+    """ppo.early_stop_imp_ratio: ratios 6, 6, 1, 1, 1, 1 have the minibatch mean 16/6, below 5, though a
+    micro-batch of the first two alone has mean 6. Every cut keeps the step under 5 and skips it under 2."""
+    logp, n = torch.log(t([6.0, 6.0, 1.0, 1.0, 1.0, 1.0])), 6
+    for cuts in ([[0, 1, 2, 3, 4, 5]], [[0, 1], [2, 3, 4, 5]], [[5, 0], [3], [1, 4, 2]]):
+        verdicts = []
+        for bound in (5.0, 2.0):
+            stop = EarlyStop(bound)
+            for seqs in cuts:
+                idx = torch.tensor(seqs)
+                _, stats = actor_loss(logp[idx], t([0.0] * len(seqs)), t([1.0] * len(seqs)), ones(len(seqs)),
+                                      cu_seqlens=cu(*[1] * len(seqs)), totals=Totals(n, n))  # fmt: skip
+                stop.add(stats)
+            verdicts.append(stop())
+        assert verdicts == [False, True], cuts
 
 
 # --- advantages: baselines, length shaping, distillation --------------------------------------------------

@@ -186,13 +186,13 @@ class MaskedEntropyShift:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def train_minibatch(self, micro_batches, loss_fn, temperature: float = 1.0):
+    def train_minibatch(self, micro_batches, loss_fn, temperature: float = 1.0, skip=None):
         def shifted(out, mb):
             entropy = torch.where(mb["loss_mask"], out["entropy"], out["entropy"] + self.shift)
             self.seen.append((entropy.detach().clone(), mb["loss_mask"].clone()))
             return loss_fn({**out, "entropy": entropy}, mb)
 
-        return self.engine.train_minibatch(micro_batches, shifted, temperature)
+        return self.engine.train_minibatch(micro_batches, shifted, temperature, skip)
 
 
 def weights(engine) -> dict[str, torch.Tensor]:

@@ -64,31 +64,6 @@ def test_dual_clip_caps_negative_advantage_tokens():
     assert logp.grad.tolist() == pytest.approx([0, 0, 0, -0.5 / 4, 0])
 
 
-def test_early_stop_zeroes_the_loss_when_the_mean_ratio_is_too_high():
-    # The mean ratio over valid tokens is 2.0.
-    logp = hand_logprobs()
-    loss, stats = actor_loss(logp, t([0.0] * 5), t(ADV), MASK, early_stop_imp_ratio=1.9)
-    assert loss.item() == 0.0 and float(stats["early_stopped"]) == 1.0
-    loss.backward()
-    assert logp.grad.abs().sum().item() == 0.0
-    loss, stats = actor_loss(hand_logprobs(), t([0.0] * 5), t(ADV), MASK, early_stop_imp_ratio=2.1)
-    assert loss.item() != 0.0 and float(stats["early_stopped"]) == 0.0
-
-
-def test_early_stop_uses_the_mean_ratio_over_all_ranks():
-    # Locally the mean ratio is 2.0; another rank adds 4 tokens of ratio 1 (sum 4): global mean 1.5.
-    other_rank = t([4.0, 4.0])
-    loss, stats = actor_loss(
-        hand_logprobs(),
-        t([0.0] * 5),
-        t(ADV),
-        MASK,
-        early_stop_imp_ratio=1.9,
-        reduce_fn=lambda sums: sums + other_rank,
-    )
-    assert loss.item() != 0.0 and float(stats["mean_importance_weight"]) == pytest.approx(1.5)
-
-
 def test_decoupled_loss_hand_case():
     # r = pi_theta / pi_prox = 1.1, 1, 1; behaviour weights w = pi_prox / pi_behav = 2, 0.5, 8 (> cap 5: 0).
     logp = leaf([math.log(1.1), 0.0, 0.0])

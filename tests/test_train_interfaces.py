@@ -146,6 +146,21 @@ def test_the_algorithm_options_reach_the_loss(tiny_model_dir, batch):
         actor_train_step(engine, batch, replace(ppo, kl_ctl=0.0), MB)
 
 
+def test_early_stop_leaves_the_weights_as_they_were(tiny_model_dir, batch, backend):
+    """Answers sampled by a policy e^3 times less likely to give them than the current one: the minibatch's
+    mean ratio pi/mu (two policies) is far above ppo.early_stop_imp_ratio, so its step is skipped whole."""
+    engine = make_engine(model_config(tiny_model_dir, backend=backend), total_train_steps=10)
+    stale = np.where(batch["prompt_mask"], 0.0, batch["proximal_logprobs"] - 3.0).astype(np.float32)
+    ppo = replace(PPO, use_decoupled_loss=False, recompute_logprob=False, early_stop_imp_ratio=5.0)
+    before = weights(engine)
+    stats = actor_train_step(engine, {**batch, "packed_logprobs": stale}, ppo, MB)
+    assert stats["ppo_actor/early_stopped"] == 1.0 and stats["ppo_actor/importance_weight/avg"] > 5.0
+    assert all(torch.equal(v, weights(engine)[k]) for k, v in before.items())
+    stats = actor_train_step(engine, batch, replace(ppo, early_stop_imp_ratio=50.0), MB)
+    assert stats["ppo_actor/early_stopped"] == 0.0
+    assert any(not torch.equal(v, weights(engine)[k]) for k, v in before.items())
+
+
 def test_the_loglinear_proximal_policy_needs_no_recomputed_logprobs(tiny_model_dir, batch):
     engine = make_engine(model_config(tiny_model_dir), total_train_steps=10)
     without = {k: v for k, v in batch.items() if k != "proximal_logprobs"}

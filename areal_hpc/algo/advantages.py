@@ -15,6 +15,8 @@ import torch
 from areal_hpc.algo.corrections import kl_estimate
 from areal_hpc.algo.packing import AlgoInputError, check_cu_seqlens, first_token_mask, seq_index
 
+GROUP_NORM_LEVELS = ("answer", "token")
+
 # Sums a tensor elementwise across data-parallel ranks and returns the result.
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -204,12 +206,17 @@ def group_masked_normalize(
     *,
     group_size: int | None = None,
     group_ids: torch.Tensor | None = None,
+    level: str = "answer",
     eps: float = 1e-5,
 ) -> torch.Tensor:
-    """``masked_normalize`` within each prompt's group of answers (GRPO).
+    """``(x - mean) / (std + eps)`` within each prompt's group of answers (GRPO).
 
-    Groups are given either as ``group_size`` consecutive sequences or as ``group_ids`` (B integers).
-    A group's sequences must all be in ``x`` (no cross-rank reduction). Masked-out positions are 0.
+    ``level`` answer: every answer weighs the same in its group's mean and (population) std, its valid tokens
+    sharing its weight, so answers whose tokens share one value (an outcome reward) get GRPO's
+    ``(R_i - mean(R)) / std(R)``; token: every valid token weighs the same (the original's, which lets a long
+    answer move the group's statistics more than a short one). Groups are given either as ``group_size``
+    consecutive sequences or as ``group_ids`` (B integers). A group's sequences must all be in ``x`` (no
+    cross-rank reduction). Masked-out positions are 0.
     """
     cu = check_cu_seqlens(cu_seqlens, total=x.shape[0])
     _check_same_length(cu, mask=mask)
@@ -222,16 +229,23 @@ def group_masked_normalize(
     _, group_of_seq = torch.unique(group_ids.to(cu.device), return_inverse=True)
     group = group_of_seq[seq_index(cu)]
 
+    if level not in GROUP_NORM_LEVELS:
+        raise AlgoInputError(
+            f"unknown group normalisation level {level!r} (valid: {', '.join(GROUP_NORM_LEVELS)})"
+        )
     mask = mask.bool()
+    weight = mask.double()
+    if level == "answer":  # 1 / |y| on each valid token: an answer's tokens weigh 1 together
+        weight = weight / answer_lengths(mask, cu).double().clamp(min=1)[seq_index(cu)]
     xm = torch.where(mask, x.double(), 0.0)
     n_groups = int(group.max()) + 1
 
     def group_sum(v: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n_groups, dtype=torch.float64, device=x.device).index_add_(0, group, v)
 
-    count = group_sum(mask.double()).clamp(min=1)
-    mean = group_sum(xm) / count
-    std = (group_sum(xm.square()) / count - mean.square()).clamp(min=0).sqrt()
+    count = group_sum(weight).clamp(min=1)  # tokens, or answers with a valid token: whole numbers either way
+    mean = group_sum(weight * xm) / count
+    std = (group_sum(weight * xm.square()) / count - mean.square()).clamp(min=0).sqrt()
     return _normalize_with(x, mask, mean[group], std[group], eps)
 
 
@@ -304,6 +318,7 @@ def compute_advantages(
     baseline: str = "none",
     adv_norm: bool = True,
     group_adv_norm: bool = False,
+    group_norm_level: str = "answer",
     group_size: int | None = None,
     group_ids: torch.Tensor | None = None,
     overlong: Overlong | None = None,
@@ -317,7 +332,8 @@ def compute_advantages(
 
     Defaults follow the ``ppo.*`` options. The scores get the ``overlong`` penalty, then lose the group
     ``baseline`` (needs ``group_ids`` or ``group_size``). With ``adv_norm``, ``group_adv_norm`` selects
-    per-group normalisation instead of the batch-wide one, which uses ``reduce_fn`` across ranks.
+    per-group normalisation instead of the batch-wide one, which uses ``reduce_fn`` across ranks;
+    ``group_norm_level`` weighs answers or tokens alike in a group's statistics (``group_masked_normalize``).
     ``overlong_filter`` then leaves truncated answers out of the loss mask. With ``distill_coef``, each token
     gains the advantage ``distill_coef * (logp_teacher - logp_behav)`` (alone with ``distill_alone``).
     Returns ``loss_mask``, ``rewards``, ``kl_rewards``, ``advantages`` and ``returns`` (advantages and
@@ -348,7 +364,9 @@ def compute_advantages(
     )
     advantages, returns = gae(rewards, values, cu, seq_no_eos_mask, discount=discount, gae_lambda=gae_lambda)
     if adv_norm and group_adv_norm:
-        advantages = group_masked_normalize(advantages, loss_mask, cu, group_ids=group_ids)
+        advantages = group_masked_normalize(
+            advantages, loss_mask, cu, group_ids=group_ids, level=group_norm_level
+        )
     elif adv_norm:
         advantages = masked_normalize(advantages, loss_mask, reduce_fn=reduce_fn)
     if distill_coef:

@@ -7,7 +7,9 @@ one, detached (two policies). Per-token tensors are packed and token-aligned (``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,14 +20,15 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 def kl_estimate(logp: torch.Tensor, logp_base: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Schulman's estimators of KL(p || base) on tokens sampled from p, with rho = base/p: k1 = -log rho,
-    k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho (unbiased and never negative)."""
+    k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho (unbiased and never negative). k3 is computed as
+    ``expm1(log rho) - log rho``: exact near rho = 1, +inf (never NaN) where rho overflows."""
     log_rho = logp_base - logp
     if estimator == "k1":
         return -log_rho
     if estimator == "k2":
         return log_rho.square() / 2
     if estimator == "k3":
-        return torch.exp(log_rho) - 1 - log_rho
+        return torch.expm1(log_rho) - log_rho
     raise AlgoInputError(f"unknown KL estimator {estimator!r} (valid: {', '.join(KL_ESTIMATORS)})")
 
 
@@ -35,7 +38,9 @@ class Correction:
 
     level token judges each token; sequence the answer as a whole (the geometric mean of its ratios, which is
     then the weight of all its tokens, or the mean of its k1/k2/k3). action mask gives weight 0 outside the
-    bounds; clamp clips the importance weight into them (metric ratio only).
+    bounds; clamp clips the importance weight into them (metric ratio only). The KL metrics are verl's, with
+    r = pi/mu on tokens sampled from mu: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (an estimate of
+    KL(mu || pi)).
     """
 
     level: str = "token"
@@ -65,42 +70,55 @@ def per_sequence_mean(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Ten
     return (sums / counts.clamp(min=1))[seq]
 
 
+class Judged(NamedTuple):
+    """A correction's verdict on each token, in log space (a log-ratio of +-200 overflows no float32): all
+    detached, 0 (log) or False outside the loss mask."""
+
+    log_raw: torch.Tensor  # the importance weight before the correction: the token's, or its answer's
+    log_weight: torch.Tensor  # after it (clamp: clipped into the bounds; mask: log_raw)
+    kept: torch.Tensor  # the tokens whose weight is not 0 (mask: in bounds)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The corrected weight, 0 where not kept (exp of a masked log is never evaluated)."""
+        return torch.where(self.kept, torch.exp(torch.where(self.kept, self.log_weight, 0.0)), 0.0)
+
+
+def _log_bound(bound: float | None, side: float) -> float:
+    return side if bound is None else (math.log(bound) if bound > 0 else -math.inf)
+
+
 def behaviour_weight(
     logp: torch.Tensor,
     behav_logp: torch.Tensor,
     mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
     correction: Correction,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(weight, raw, kept)``: the corrected importance weight pi/mu of each token, the weight before the
-    correction, and the tokens the correction keeps (mask: in bounds). All are detached; 0 outside ``mask``.
+) -> Judged:
+    """The corrected importance weight pi/mu of each token (see ``Judged``).
 
     The raw weight is the token's ratio, or at level sequence with metric ratio its answer's geometric mean.
     """
     mask = mask.bool()
     log_ratio = torch.where(mask, logp.detach() - behav_logp.detach(), 0.0)
-    metric = (
-        torch.exp(log_ratio)
-        if correction.metric == "ratio"
-        else kl_estimate(logp, behav_logp, correction.metric)
-    )
-    metric = torch.where(mask, metric.detach(), 0.0)
-    raw = torch.exp(log_ratio)
-    if correction.level == "sequence":
-        if correction.metric == "ratio":  # in log space: the arithmetic mean would favour long answers
-            raw = metric = torch.exp(per_sequence_mean(log_ratio, mask, cu_seqlens))
-        else:
+    answer = correction.level == "sequence" and correction.metric == "ratio"
+    log_raw = torch.where(mask, per_sequence_mean(log_ratio, mask, cu_seqlens), 0.0) if answer else log_ratio
+    kept, log_weight = mask.clone(), log_raw
+    lower, upper = _log_bound(correction.lower, -math.inf), _log_bound(correction.upper, math.inf)
+    if correction.action == "clamp":
+        log_weight = log_raw.clamp(min=lower, max=upper)
+    elif correction.metric == "ratio":  # compared in log space: exp() never runs out of range
+        kept &= (log_raw >= lower) & (log_raw <= upper)
+    else:
+        metric = kl_estimate(behav_logp.detach(), logp.detach(), correction.metric)  # rho = pi/mu
+        metric = torch.where(mask, metric, 0.0)
+        if correction.level == "sequence":
             metric = per_sequence_mean(metric, mask, cu_seqlens)
-    kept = mask.clone()
-    weight = raw
-    if correction.action == "mask":
         if correction.lower is not None:
             kept &= metric >= correction.lower
         if correction.upper is not None:
             kept &= metric <= correction.upper
-    else:
-        weight = raw.clamp(min=correction.lower, max=correction.upper)
-    return torch.where(kept, weight, 0.0), torch.where(mask, raw, 0.0), kept
+    return Judged(log_raw, torch.where(kept, log_weight, 0.0), kept)
 
 
 def loglinear_proximal(

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 
 import torch
 
-from areal_hpc.algo.advantages import Reducer
 from areal_hpc.algo.aggregation import Totals, aggregate
 from areal_hpc.algo.corrections import Correction, behaviour_weight, kl_estimate, per_sequence_mean
 from areal_hpc.algo.packing import AlgoInputError
@@ -44,17 +43,10 @@ def _normalizer(mask: torch.Tensor, loss_normalizer: float | torch.Tensor | None
     return loss_normalizer
 
 
-def _surrogate(
-    kind: str,
-    logprobs: torch.Tensor,
-    base: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(token_loss, ratio, clipped_low, clipped_high)`` of the policy loss ``kind`` (before dual clip)."""
+def _log_ratio(
+    kind: str, logprobs: torch.Tensor, base: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """The log of the ratio the policy loss ``kind`` clips: the token's, or (gspo) its answer's geometric mean."""
     # Masked positions get log-ratio 0 so padding garbage cannot overflow exp().
     log_ratio = torch.where(mask, logprobs - base, 0.0)
     if kind in ("gspo", "gspo_token"):  # the answer's geometric mean ratio s, on each of its tokens
@@ -62,16 +54,29 @@ def _surrogate(
         if kind == "gspo_token":  # s's value, each token's own gradient: sg(s) * pi / sg(pi)
             log_s = log_s.detach() + logprobs - logprobs.detach()
         log_ratio = torch.where(mask, log_s, 0.0)
+    return log_ratio
+
+
+def _surrogate(
+    kind: str,
+    log_ratio: torch.Tensor,
+    logprobs: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_loss, clipped_low, clipped_high)`` of the policy loss ``kind`` (before dual clip)."""
     ratio = torch.exp(log_ratio)
     low, high = 1 - eps_low, 1 + eps_high
     if kind == "cispo":  # REINFORCE on log pi, weighted by the clipped ratio without its gradient
         ratio = ratio.detach()
         token_loss = -adv * ratio.clamp(low, high) * logprobs
-        return token_loss, ratio, (ratio < low) & mask, (ratio > high) & mask
+        return token_loss, (ratio < low) & mask, (ratio > high) & mask
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(low, high)
     clipped = (loss_clipped > loss_unclipped).detach() & mask
-    return torch.maximum(loss_unclipped, loss_clipped), ratio, clipped & (ratio < 1), clipped & (ratio > 1)
+    return torch.maximum(loss_unclipped, loss_clipped), clipped & (ratio < 1), clipped & (ratio > 1)
 
 
 def actor_loss(
@@ -87,14 +92,12 @@ def actor_loss(
     c_clip: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
     correction: Correction | None = None,
-    early_stop_imp_ratio: float | None = None,
     loss_agg_mode: str = "token-mean",
     totals: Totals | None = None,
     norm_len: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k1",
-    reduce_fn: Reducer | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """The policy loss ``policy_loss`` of one micro-batch; returns ``(loss, stats)``. Only ``logprobs`` carries
     gradient. ``cu_seqlens`` (None: one sequence) delimits the answers of sequence-level quantities.
@@ -105,14 +108,15 @@ def actor_loss(
     - ppo: ``max(-A*r, -A*clip(r, 1-eps_clip, 1+eps_clip_higher))``; ``c_clip`` (> 1) further caps tokens with
       A < 0 at ``-A*c_clip`` (dual clip). gspo: the same with r the answer's geometric mean ratio s (its
       gradient spread over the answer); gspo_token: ``sg(s) * pi/sg(pi)``. cispo: ``-sg(clip(r)) * A * log pi``.
-    - The behaviour weight pi_prox/mu multiplies each token (decoupled), corrected by ``correction``; without a
-      proximal policy, the correction compares the current policy (detached) with mu and multiplies by its
-      corrected weight over the weight r already holds. Masked tokens stay in the normaliser.
+    - The behaviour weight w = pi_prox/mu multiplies each token (decoupled), corrected by ``correction``.
+      Without a proximal policy r = pi/mu already is the behaviour weight: the correction compares the current
+      policy (detached) with mu, and the loss clips ``r * w/raw`` in place of r (clamp: the corrected weight,
+      its gradient that of log pi; cispo's weight is then clip(w)). A masked token's loss is 0 and stays in
+      the normaliser. All of it in log space: log-ratios of +-200 give no inf or NaN where a bound holds them.
     - ``kl_coef * k(pi, ref)`` (``kl_estimator``) is added with ``ref_logprobs`` (the KL penalty in the loss).
 
     Token losses are aggregated by ``loss_agg_mode`` with the minibatch's ``totals`` (None: this call is the
-    minibatch). If the mean of r over valid tokens (summed over ranks by ``reduce_fn``) exceeds
-    ``early_stop_imp_ratio``, the loss is multiplied by 0; like the original, judged per micro-batch.
+    minibatch). ``ppo.early_stop_imp_ratio`` judges the whole minibatch (``train.interfaces.EarlyStop``).
     """
     mask = _check_shapes(
         loss_mask,
@@ -137,10 +141,28 @@ def actor_loss(
         )
     if kl_coef and ref_logprobs is None:
         raise AlgoInputError(f"kl_coef={kl_coef} (the KL penalty in the loss) needs ref_logprobs")
+    if policy_loss == "cispo" and proximal_logprobs is None and _masks(correction):
+        raise AlgoInputError(
+            "cispo keeps every token's gradient: a correction that masks its own ratio pi/mu (two policies) "
+            "contradicts it; give action clamp (truncated importance sampling), or no bounds"
+        )
     adv = advantages.detach()
     base = (old_logprobs if proximal_logprobs is None else proximal_logprobs).detach()
-    token_loss, ratio, clip_low, clip_high = _surrogate(
-        policy_loss, logprobs, base, adv, mask, cu_seqlens, eps_clip, eps_high
+    log_ratio = _log_ratio(policy_loss, logprobs, base, mask, cu_seqlens)
+    raw_ratio = torch.exp(log_ratio.detach())
+    judged = None
+    if proximal_logprobs is not None or correction is not None:
+        target = logprobs if proximal_logprobs is None else proximal_logprobs
+        judged = behaviour_weight(
+            target, old_logprobs, mask, cu_seqlens, correction or Correction(upper=None)
+        )
+    if judged is not None and proximal_logprobs is None:
+        # Two policies: r = pi/mu already is the behaviour weight; the loss clips r * w/raw instead (the
+        # weight the correction gives in place of the raw one), in log space so no ratio under- or overflows.
+        shift = judged.log_weight - judged.log_raw
+        log_ratio = torch.where(judged.kept, log_ratio + shift, 0.0)
+    token_loss, clip_low, clip_high = _surrogate(
+        policy_loss, log_ratio, logprobs, adv, mask, eps_clip, eps_high
     )
     clip_mask = clip_low | clip_high
     dual_clip_mask = torch.zeros_like(mask)
@@ -150,14 +172,11 @@ def actor_loss(
         token_loss = torch.where(adv < 0, torch.minimum(token_loss, dual_cap), token_loss)
 
     stats: Stats = {}
-    if proximal_logprobs is not None or correction is not None:
-        three_policy = proximal_logprobs is not None
-        target = proximal_logprobs if three_policy else logprobs
-        weight, raw, kept = behaviour_weight(
-            target, old_logprobs, mask, cu_seqlens, correction or Correction(upper=None)
-        )
-        # Two policies: r already holds the raw weight pi/mu, so only the correction's change is applied.
-        token_loss = token_loss * (weight if three_policy else weight / torch.where(mask, raw, 1.0))
+    if judged is not None:
+        weight, kept = judged.weight, judged.kept
+        if proximal_logprobs is not None:  # three policies: the weight pi_prox/mu multiplies the loss
+            token_loss = token_loss * weight
+        token_loss = torch.where(kept, token_loss, 0.0)  # (two: the weight is in the ratio)
         behave_log_ratio = torch.where(mask, target - old_logprobs, 0.0).detach()
         stats["behave_imp_weight"] = (weight, kept)
         stats["behave_approx_kl"] = (behave_log_ratio, kept)
@@ -165,7 +184,7 @@ def actor_loss(
         if correction is not None and correction.action == "mask":
             stats["behave_masked_ratio"] = ((mask & ~kept).float(), mask)
         elif correction is not None:
-            stats["behave_clamped_ratio"] = ((weight != raw).float(), mask)
+            stats["behave_clamped_ratio"] = ((judged.log_weight != judged.log_raw).float(), mask)
 
     stats["actor_loss"] = (token_loss.detach(), mask)
     if kl_coef:
@@ -174,17 +193,12 @@ def actor_loss(
         stats["kl_loss"] = (kl.detach(), mask)
     loss = aggregate(token_loss, mask, cu_seqlens, loss_agg_mode, totals, norm_len)
 
-    mean_ratio = _global_mean(ratio.detach(), mask, reduce_fn)
-    early_stopped = early_stop_imp_ratio is not None and bool(mean_ratio > early_stop_imp_ratio)
-    if early_stopped:
-        loss = loss * 0.0
-
     stats.update(
         n_tokens=torch.tensor(mask.numel()),
         n_valid_tokens=mask.sum(),
         clipped_tokens=clip_mask.sum(),
         dual_clipped_tokens=dual_clip_mask.sum(),
-        importance_weight=(ratio.detach(), mask),
+        importance_weight=(raw_ratio, mask),
         approx_kl=(-torch.where(mask, logprobs - base, 0.0).detach(), mask),
         clip_ratio=(clip_mask.float(), mask),
         clip_ratio_low=(clip_low.float(), mask),
@@ -193,17 +207,15 @@ def actor_loss(
         advantages=(adv, mask),
         new_logp=(logprobs.detach(), mask),
         old_logp=(old_logprobs.detach(), mask),
-        mean_importance_weight=mean_ratio,
-        early_stopped=torch.tensor(float(early_stopped)),
     )
     return loss, stats
 
 
-def _global_mean(x: torch.Tensor, mask: torch.Tensor, reduce_fn: Reducer | None) -> torch.Tensor:
-    sums = torch.stack([torch.where(mask, x, 0.0).sum().double(), mask.sum().double()])
-    if reduce_fn is not None:
-        sums = reduce_fn(sums)
-    return sums[0] / sums[1].clamp(min=1)
+def _masks(correction: Correction | None) -> bool:
+    """Whether ``correction`` can give a token weight 0."""
+    if correction is None or correction.action != "mask":
+        return False
+    return correction.lower is not None or correction.upper is not None
 
 
 def critic_loss(

@@ -41,8 +41,8 @@ class BehavCorrectionConfig:
     )
     metric: str = opt(
         "ratio",
-        "What the bounds apply to: the ratio pi/mu, or a KL estimator: k1 = log(pi/mu), k2 = log(pi/mu)^2/2, "
-        "k3 = mu/pi - 1 - log(mu/pi).",
+        "What the bounds apply to: the ratio r = pi/mu, or a KL estimator as verl's rollout correction has it "
+        "(tokens sampled from mu): k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r.",
         choices=("ratio", "k1", "k2", "k3"),
     )
     lower: float | None = opt(None, "Lower bound of the metric; null: none.")
@@ -90,7 +90,10 @@ class PPOConfig:
     c_clip: float | None = opt(None, "Dual-clip bound for negative advantages (> 1); null: off.", gt=1)
     value_eps_clip: float = opt(0.2, "Clip of the value update around the old value.", gt=0)
     early_stop_imp_ratio: float | None = opt(
-        5.0, "Skip a minibatch update whose mean importance ratio exceeds this; null: off.", gt=1
+        5.0,
+        "Skip a minibatch update whose mean importance ratio, over all its tokens on every rank, exceeds this "
+        "(the weights and optimizer state stay as they were); null: off.",
+        gt=1,
     )
     kl_ctl: float = opt(
         0.1, "Weight of the per-token KL penalty to the reference model; 0 removes ref.", ge=0
@@ -120,6 +123,12 @@ class PPOConfig:
     )
     adv_norm: bool = opt(True, "Normalise advantages over the valid tokens of the batch.")
     group_adv_norm: bool = opt(False, "Normalise advantages within each prompt's group (GRPO).")
+    group_norm_level: str = opt(
+        "answer",
+        "What weighs the same in a group's mean and std: answer (GRPO, DAPO, GSPO: (R - mean R) / std R over the "
+        "prompt's answers) or token (the original AReaL's: every answer token, so long answers weigh more).",
+        choices=("answer", "token"),
+    )
     mask_no_eos_with_zero: bool = opt(False, "Zero the reward of answers truncated without EOS.")
     overlong_filter: bool = opt(
         False, "Leave answers truncated without EOS out of the loss (DAPO's overlong filtering)."

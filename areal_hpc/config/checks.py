@@ -135,6 +135,14 @@ def algorithm_problems(cfg: ExperimentConfig) -> list[str]:
             "'ppo.use_decoupled_loss' is false: give use_decoupled_loss=true, or prox_logp_method=recompute"
         )
     out += _behav_correction_problems(cfg)
+    bc, two_policies = ppo.behav_correction, not (ppo.use_decoupled_loss or ppo.recompute_logprob)
+    masks = bc.action == "mask" and (bc.lower is not None or bc.upper is not None)
+    if ppo.policy_loss == "cispo" and two_policies and masks:
+        out.append(
+            "'ppo.policy_loss' cispo keeps a gradient on every token, but 'ppo.behav_correction.action' mask "
+            "drops the tokens whose ratio pi/mu (cispo's own, with two policies) leaves the bounds: give "
+            "ppo.behav_correction.action=clamp (truncated importance sampling)"
+        )
     if ppo.group_baseline == "leave_one_out" and cfg.group_size < 2:
         out.append(
             f"'ppo.group_baseline' leave_one_out needs 'group_size' >= 2 (the other answers of the prompt); "

@@ -77,6 +77,11 @@ RULES = (
         "it applies to RL (experiment_type: ppo); a supervised warm-up trains on the reference solutions",
     ),
     Rule(
+        ("ppo.group_norm_level",), ("ppo.adv_norm", "ppo.group_adv_norm", "experiment_type"),
+        lambda c: not (c.ppo.adv_norm and c.ppo.group_adv_norm and _rl(c)),
+        "there is no group normalisation (ppo.adv_norm and ppo.group_adv_norm both true, experiment_type: ppo)",
+    ),
+    Rule(
         ("ppo.kl_estimator", "ppo.kl_in"), ("ppo.kl_ctl", "experiment_type"),
         lambda c: c.ppo.kl_ctl == 0 or not _rl(c),
         "there is no KL penalty (ppo.kl_ctl: 0, or experiment_type: sft)",

@@ -133,6 +133,7 @@ def _advantages(
         baseline=ppo.group_baseline,
         adv_norm=adv_norm,
         group_adv_norm=ppo.group_adv_norm,
+        group_norm_level=ppo.group_norm_level,
         group_ids=t["group_ids"] if grouped else None,
         overlong=Overlong(ppo.gen.max_new_tokens, buffer, ppo.overlong_penalty_factor) if buffer else None,
         overlong_filter=ppo.overlong_filter,
@@ -202,6 +203,29 @@ def _minibatch_totals(part: Batch | None, group) -> Totals:
     return Totals(*dist.all_reduce_sum(local, group).tolist())
 
 
+class EarlyStop:
+    """``ppo.early_stop_imp_ratio``: a minibatch whose mean importance ratio, over all its valid tokens on every
+    rank, exceeds ``bound`` is not applied. Judged once the whole minibatch's ratios are known, so the step is
+    the same however the minibatch is cut into micro-batches and ranks."""
+
+    def __init__(self, bound: float):
+        self.bound, self.sums = bound, torch.zeros(2, dtype=torch.float64)
+        self.stopped = False  # the last minibatch's verdict
+
+    def add(self, stats: Mapping) -> None:
+        """A micro-batch's ratios (``actor_loss``'s ``importance_weight``)."""
+        ratio, mask = stats["importance_weight"]
+        self.sums += torch.stack([torch.where(mask, ratio.double(), 0.0).sum(), mask.sum().double()]).cpu()
+
+    def __call__(self) -> bool:
+        """Whether to skip this minibatch's step: a collective of every trainer rank (ranks without losses, as
+        earlier pipeline stages, add zeros; tensor-parallel copies scale both sums alike)."""
+        total, count = dist.all_reduce_sum(self.sums).tolist()
+        self.sums.zero_()
+        self.stopped = count > 0 and total / count > self.bound
+        return self.stopped
+
+
 def _train_minibatches(
     engine: TrainEngine,
     batch: Batch,
@@ -210,12 +234,15 @@ def _train_minibatches(
     make_loss_fn: Callable[[Totals], LossFn],
     tracker: StatsTracker,
     temperature: float = 1.0,
+    early_stop: EarlyStop | None = None,
 ) -> None:
     """One optimizer step per minibatch; each loss is normalised by the minibatch's totals on all ranks."""
     for part in minibatches(batch, n_minibatches):
         totals = _minibatch_totals(part, engine.dp_group)
         mbs = [] if part is None else micro_batches(part, mb_spec)
-        step = engine.train_minibatch(mbs, make_loss_fn(totals), temperature)
+        step = engine.train_minibatch(mbs, make_loss_fn(totals), temperature, early_stop)
+        if early_stop is not None:
+            tracker.mean("early_stopped", float(early_stop.stopped))
         tracker.mean("grad_norm", step["grad_norm"])
         tracker.mean("lr", step["lr"])
         for key in sorted(step.keys() - {"loss", "grad_norm", "lr"}):  # an engine's own (megatron's moe/*)
@@ -258,6 +285,7 @@ def actor_train_step(
         data["token_versions"] = answer_versions(batch)
     old_key = old_logprob_key(ppo)
     correction = correction_of(ppo)
+    early_stop = None if ppo.early_stop_imp_ratio is None else EarlyStop(ppo.early_stop_imp_ratio)
     kl_loss = ppo.kl_ctl if ppo.kl_in == "loss" else 0.0
     tracker = StatsTracker()
     _sequence_stats(tracker, batch, global_step)
@@ -283,7 +311,6 @@ def actor_train_step(
                 c_clip=ppo.c_clip,
                 proximal_logprobs=proximal,
                 correction=correction,
-                early_stop_imp_ratio=ppo.early_stop_imp_ratio,
                 loss_agg_mode=ppo.loss_agg_mode,
                 totals=totals,
                 norm_len=ppo.gen.max_new_tokens,
@@ -293,13 +320,16 @@ def actor_train_step(
             )
             tracker.add(stats, totals=ACTOR_TOTALS)
             tracker.masked("entropy", out["entropy"].detach(), mb["loss_mask"])
-            tracker.mean("early_stopped", stats["early_stopped"])
+            if early_stop is not None:
+                early_stop.add(stats)
             return loss
 
         return loss_fn
 
     temperature = ppo.gen.temperature
-    _train_minibatches(engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker, temperature)
+    _train_minibatches(
+        engine, data, ppo.ppo_n_minibatches, mb_spec, make_loss_fn, tracker, temperature, early_stop
+    )
     return tracker.reduce("ppo_actor", engine.dp_group)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -47,11 +48,13 @@ def clipped_step(
     params: list[torch.nn.Parameter],
     max_norm: float,
     update: Callable[[], None] | None = None,
+    skip: bool = False,
 ) -> dict[str, float]:
     """Clip the (already summed) gradients of ``params``, update (``optimizer.step`` unless ``update`` is
     given), step the LR schedule; ``grad_norm`` (before clipping, of every shard when sharded) and ``lr``.
 
-    A non-finite gradient norm skips the update (on every rank alike: the norm is of the summed gradient).
+    ``skip`` (the same on every rank), or a non-finite gradient norm, leaves the weights as they are (the norm
+    is of the summed gradient, so every rank skips alike).
     """
     for p in params:  # a parameter no micro-batch used contributes zero
         if p.grad is None:
@@ -59,11 +62,15 @@ def clipped_step(
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
     lr = optimizer.param_groups[0]["lr"]
-    if math.isfinite(grad_norm):
+    if skip:
+        logger.info("skipping this optimizer step, as asked (gradient norm %s)", grad_norm)
+    elif math.isfinite(grad_norm):
         (update or optimizer.step)()
     else:
         logger.warning("gradient norm is %s: skipping this optimizer step", grad_norm)
-    scheduler.step()
+    with warnings.catch_warnings():  # a skipped first step is meant: the schedule counts minibatches
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"grad_norm": grad_norm, "lr": lr}
 

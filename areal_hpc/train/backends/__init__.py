@@ -13,7 +13,7 @@ A backend is a package (config/backends.py names it, by `actor.backend`, `ref.ba
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,10 +44,16 @@ class TrainEngine(Protocol):
         """A value model's float32 value of each prefix."""
 
     def train_minibatch(
-        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
+        self,
+        micro_batches: Sequence[Mapping[str, np.ndarray]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        skip: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over the ranks' micro-batches (the model's logits divided by `temperature`);
-        `loss`, `grad_norm`, `lr`."""
+        `loss`, `grad_norm`, `lr`. `skip` is asked on every rank once every micro-batch's loss is known (it may
+        be a collective): True leaves the weights and the optimizer's state as they were (the LR schedule
+        advances, as for a non-finite gradient)."""
 
     def save_hf(self, path: str | Path) -> Path | None:
         """The model as an HF directory with a manifest (a collective; rank 0 returns the path)."""

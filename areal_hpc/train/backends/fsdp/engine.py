@@ -19,7 +19,7 @@ micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -161,7 +161,11 @@ class FSDPEngine(RecoverState):
     # --- training ---------------------------------------------------------------------------------------
 
     def train_minibatch(
-        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
+        self,
+        micro_batches: Sequence[Mapping[str, np.ndarray]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        skip: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over this rank's ``micro_batches`` (see ``TrainEngine``)."""
         optimizer = self._require_optimizer()
@@ -175,13 +179,13 @@ class FSDPEngine(RecoverState):
             loss.backward()
             total += loss.item()
         self.net.eval()
-        return {"loss": total, **self._step()}
+        return {"loss": total, **self._step(skip is not None and skip())}
 
-    def _step(self) -> dict[str, float]:
+    def _step(self, skip: bool) -> dict[str, float]:
         params = [p for p in self.net.parameters() if p.requires_grad]
         offloaded = partial(_offloaded_step, self.optimizer, params, self.device) if self.offload else None
         return clipped_step(
-            self.optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping, offloaded
+            self.optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping, offloaded, skip
         )
 
     @property

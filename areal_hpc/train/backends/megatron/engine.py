@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -332,7 +332,11 @@ class MegatronEngine:
     # --- training ---------------------------------------------------------------------------------------
 
     def train_minibatch(
-        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
+        self,
+        micro_batches: Sequence[Mapping[str, np.ndarray]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        skip: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over this replica's ``micro_batches`` (see ``TrainEngine``)."""
         if self.optimizer is None:
@@ -351,8 +355,10 @@ class MegatronEngine:
         total = torch.tensor(sum(float(r["loss"]) for r in results), dtype=torch.float64, device=self.device)
         self._from_last_stage(total)  # the losses live on the last stage
         lr = self.optimizer.param_groups[0]["lr"]
-        with on_device():
-            updated, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm = False, math.nan  # skipped: megatron computes the norm in its step only
+        if skip is None or not skip():
+            with on_device():
+                updated, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
         self._set_lr()
         stats = self.moe.end_step(self.groups, len(results)) if self.moe is not None else {}

@@ -9,7 +9,7 @@ With float32 configured (the tests) both are plain float32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -145,18 +145,22 @@ class TorchEngine(RecoverState):
         }
 
     def train_minibatch(
-        self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
+        self,
+        micro_batches: Sequence[Mapping[str, np.ndarray]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        skip: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         """One optimizer step on a minibatch: gradients accumulated over ``micro_batches``, summed over ranks.
 
         ``loss_fn`` must already divide each micro-batch's loss by the minibatch's GLOBAL normaliser (e.g. its
         valid tokens over all ranks), so the summed gradients are those of the global mean. A rank with no
         micro-batches still joins the step. Returns ``loss`` (this rank's summed losses), ``grad_norm``
-        (before clipping) and ``lr`` (the rate this step used).
+        (before clipping) and ``lr`` (the rate this step used). ``skip``: see ``TrainEngine``.
         """
         self._require_optimizer().zero_grad(set_to_none=True)
         loss = self.backward(micro_batches, loss_fn, temperature)
-        return {"loss": loss, **self.step()}
+        return {"loss": loss, **self.step(skip is not None and skip())}
 
     def backward(
         self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0
@@ -173,15 +177,17 @@ class TorchEngine(RecoverState):
         self.model.eval()
         return total
 
-    def step(self) -> dict[str, float]:
+    def step(self, skip: bool = False) -> dict[str, float]:
         """Sum gradients over ranks, clip, step the optimizer and the LR schedule; ``grad_norm`` and ``lr``.
 
-        A non-finite gradient norm skips the update (on every rank alike: the norm is of the summed gradient).
+        ``skip``, or a non-finite gradient norm, leaves the weights as they are (on every rank alike).
         """
         optimizer = self._require_optimizer()
         self._all_reduce_grads()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return clipped_step(optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping)
+        return clipped_step(
+            optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping, skip=skip
+        )
 
     def _all_reduce_grads(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
