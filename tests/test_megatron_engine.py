@@ -4,6 +4,7 @@ equal to the HF model's at TP=1, TP=2 and PP=2, and a training step at TP=2 and 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -87,13 +88,17 @@ def _rank_main(rank, world, tp, pp, model_dir, out):
         before = engine.logprobs(batch, 1.0, MicroBatchSpec(max_tokens_per_mb=16))
         for _ in engine.hf_weights():  # a publication before the step: the one after must see the step
             pass
+        mbs = micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20))
+        skipped = engine.train_minibatch(mbs, seq_mean_nll, skip=lambda: True)  # as an early stop asks
+        skipped["logprobs"] = engine.logprobs(batch, 1.0, MicroBatchSpec(max_tokens_per_mb=16))
         step = engine.train_minibatch(
             micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=20)), seq_mean_nll
         )
         after = engine.logprobs(batch, 0.7, MicroBatchSpec(max_tokens_per_mb=16))
         weights = dict(engine.hf_weights())
         saved = engine.save_hf(f"{out}.saved")  # rank 0 returns the directory
-        result = {"before": before, "step": step, "after": after, "weights": weights, "saved": saved}
+        result = {"before": before, "skipped": skipped, "step": step, "after": after, "weights": weights}
+        result["saved"] = saved
         torch.save(result, f"{out}.{rank}")
         dist.barrier()
     finally:
@@ -117,6 +122,14 @@ def test_megatron_logprobs_equal_the_hf_models(runs, tiny_model_dir, layout):
     expected = alone(tiny_model_dir, packed(), 1.0)
     for rank in runs[layout]:  # every rank answers, the pipeline's first stage too
         torch.testing.assert_close(rank["before"], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_skipped_step_leaves_the_weights_as_they_were(runs, layout):
+    for rank in runs[layout]:
+        assert torch.equal(rank["skipped"]["logprobs"], rank["before"]) and math.isnan(
+            rank["skipped"]["grad_norm"]
+        )
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (1, 2)])
