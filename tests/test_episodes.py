@@ -17,6 +17,9 @@ from areal_hpc.agent.tools import CALCULATOR
 from areal_hpc.config import load_config
 from areal_hpc.control.manifest import write_manifest
 from areal_hpc.data import PromptSample, read_batch
+from areal_hpc.gen.backends.builtin.engine import Engine
+from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
+from areal_hpc.gen.client import GenClient
 from areal_hpc.gen.episode import EpisodeContext, Services
 from areal_hpc.gen.episodes import Episodes, GroupTimeout, episode_stats, episodes_step, run_group
 from areal_hpc.gen.rollout import pack_episodes
@@ -180,6 +183,28 @@ def test_a_conversation_that_fills_the_servers_context_ends_there(client, tiny_t
     assert result.counts["turns"] == 2 and result.counts["context_full"] == 2
     for (sample,) in result.samples:
         assert len(sample.ids) <= len(first) + 9 and sample.truncated
+
+
+@pytest.fixture
+def short_client(tiny_model_dir):
+    """A built-in server of context 512 on the tiny model, whose own is 2048."""
+    engine = Engine(str(tiny_model_dir), seed=0, max_batch_size=4, context_length=512).start()
+    httpd = GenHTTPServer(("127.0.0.1", 0), App(engine, {}), "test-token")
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "test-token", timeout=120)
+    httpd.shutdown()
+    engine.stop()
+
+
+def test_a_conversation_ends_at_the_context_its_server_reports(short_client, tiny_tokenizer):
+    svc = services(tiny_tokenizer)
+    svc.max_context = 2048  # as configured: the model's (episodes.max_context)
+    params = {**PARAMS, "max_new_tokens": 1000, "ignore_eos": True}
+    # Turn 1 fills the server's 512 tokens; turn 2 has no room there (it used to get a 400 and fail the rollout).
+    result = run_group(svc, two_turns, short_client, RECORD, params, group_size=2, timeout=60)
+    assert result.counts["turns"] == 2 and result.counts["context_full"] == 2
+    for (sample,) in result.samples:
+        assert len(sample.ids) == 511 and sample.truncated
 
 
 async def two_turns_but_q2_hangs(ctx, record):

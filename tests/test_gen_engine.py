@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
@@ -89,6 +90,22 @@ def test_a_samples_draw_depends_on_its_seed_and_token_index_only():
     assert crowd[3] == alone[0]
 
 
+def test_a_wider_neighbour_does_not_change_a_rows_draws():
+    """A row inside min_new_tokens bans its own stop ids only, whichever row joins the batch after it."""
+
+    def draws(neighbour_stops: frozenset | None = None) -> list[int]:
+        sampling = SlotSampling(2, 8, torch.device("cpu"))
+        sampling.set([0], [SamplingParams(min_new_tokens=20)], [42], [frozenset({5})])
+        if neighbour_stops:  # admitted later, with more stop ids than the table was wide
+            sampling.set([1], [SamplingParams()], [7], [neighbour_stops])
+        flat = torch.zeros(2, 8)  # every token as likely: token 0 too
+        return [int(sampling.sample(flat, slice(0, 2))[0][0]) for _ in range(12)]
+
+    alone = draws()
+    assert 0 in alone and 5 not in alone
+    assert draws(frozenset({5, 6, 7})) == alone
+
+
 def test_neighbouring_seeds_give_unrelated_streams():
     """A request's n samples take seeds s, s + 1, ...: their draws must not be one stream shifted by a token."""
     steps = torch.arange(1, 4096)
@@ -116,6 +133,36 @@ def test_rows_joining_a_running_batch_decode_as_alone(engine):
     assert out_a[:12] == alone[0] and out_b == alone[1]
     stats = engine.info()["stats"]
     assert stats["max_requests_per_forward"] >= 2 and stats["prefill_passes"] - before["prefill_passes"] == 2
+
+
+def test_retract_recomputes_the_kv_cache_under_new_weights_where_in_place_keeps_the_old(tiny_model_dir):
+    """SGLang's pause modes across a weight update: retract drops the running rows' KV cache and their prefill
+    on continue recomputes it with the new weights, so they go on as a fresh request for prompt + output so
+    far would; in_place goes on with the KV cache the old weights computed."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    gen = torch.Generator().manual_seed(0)
+    old = [(n, p.detach()) for n, p in model.named_parameters()]
+    new = [(n, p + 0.3 * torch.randn(p.shape, generator=gen)) for n, p in old]
+    prompt, budget, after = [5, 6, 7, 8, 9], 300, 16
+    engine = Engine(str(tiny_model_dir), seed=0, max_batch_size=4).start()
+    as_fresh = {}
+    try:
+        for mode in ("in_place", "retract"):
+            engine.update_weights_from_tensors(lambda: old)
+            request = engine.submit([prompt], SamplingParams(**{**GREEDY, "max_new_tokens": budget}))
+            wait_for(lambda: len(request.rows[0].output_ids) >= 4)  # noqa: B023 (called at once)
+            engine.pause(mode)
+            k = len(request.rows[0].output_ids)  # the tokens sampled under the old weights
+            engine.update_weights_from_tensors(lambda: new, abort_all=False)
+            engine.resume()
+            out = request.wait(60)[0]
+            fresh = run(engine, [prompt + out.output_ids[:k]], **{**GREEDY, "max_new_tokens": after})[0]
+            went_on = slice(k, k + after)  # the first tokens after the update
+            answer = (out.output_ids[went_on], out.logprobs[went_on])
+            as_fresh[mode] = answer == (fresh.output_ids, fresh.logprobs)
+    finally:
+        engine.stop()
+    assert as_fresh == {"in_place": False, "retract": True}
 
 
 def test_n_samples_share_one_prefill_and_a_seed_fixes_them(engine):

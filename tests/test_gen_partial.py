@@ -11,7 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from areal_hpc.control.manifest import write_manifest
 from areal_hpc.gen.client import GenClient
-from areal_hpc.gen.partial import Part, continuation_params, from_response, generate_group, version_of
+from areal_hpc.gen.partial import (
+    Part,
+    continuation_params,
+    continuation_seed,
+    from_response,
+    generate_group,
+    version_of,
+)
 
 PROMPT = [5, 9, 2, 7]
 PARAMS = {"n": 3, "max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
@@ -90,8 +97,26 @@ def test_a_continuation_asks_for_the_rest_of_the_budget_with_a_seed_of_its_own()
     half = PartialAnswer((1, 2, 3), (-0.1, -0.2, -0.3), "abort", 0, 0, (Part(3, 0, 0),))
     params = {"n": 4, "max_new_tokens": 10, "min_new_tokens": 5, "sampling_seed": 7}
     assert continuation_params(params, half, index=2) == {
-        "n": 1, "max_new_tokens": 7, "min_new_tokens": 2, "sampling_seed": 7 + 2000 + 3,
+        "n": 1, "max_new_tokens": 7, "min_new_tokens": 2, "sampling_seed": continuation_seed(7, 2, 3),
     }  # fmt: skip
+
+
+def test_continuation_seeds_never_meet_a_siblings_seed_or_each_other():
+    # A request's n answers take seeds seed + j; seed + 1000 * index + done gave answer 0's part after one
+    # token the seed of answer 1, so both drew the same random numbers.
+    from areal_hpc.gen.partial import PartialAnswer
+
+    params = {"n": 4, "max_new_tokens": 600, "sampling_seed": 7}
+    siblings = {7 + j for j in range(params["n"])}
+    seeds = [
+        continuation_params(params, PartialAnswer((1,) * done, (0.0,) * done, "abort", 0, 0), index)[
+            "sampling_seed"
+        ]
+        for index in range(params["n"])
+        for done in range(params["max_new_tokens"])
+    ]
+    assert len(set(seeds)) == len(seeds) and not siblings & set(seeds)
+    assert all(2**62 <= s < 2**63 for s in seeds)  # an int64 on the server
 
 
 def test_without_interruption_an_update_waits_for_running_answers(client, tiny_model_dir, tmp_path):

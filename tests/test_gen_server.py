@@ -346,6 +346,26 @@ def test_a_failed_update_without_abort_leaves_the_server_serving(client, tmp_pat
     assert client.generate([3, 1, 4], GREEDY, timeout=30)[0]["output_ids"]
 
 
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+        ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"],
+                                              "shapes": [[1, 1]], "group_name": "nope"}),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]}),
+    ],
+)  # fmt: skip
+def test_a_weight_update_without_abort_all_requests_lets_running_answers_finish_first(client, route, body):
+    # SGLang's default on all three routes. The update fails here (no such snapshot, group or payload), but
+    # only after the running answer ended: the server waited for it.
+    running, box = in_thread(client.generate, [2, 7, 1], {**LONG, "max_new_tokens": 300})
+    wait_running(client)
+    status, _ = post_raw(client, route, json.dumps(body).encode())
+    assert status == 400 and client.server_info()["num_running_reqs"] == 0
+    running.join(30)
+    assert box[0][0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_it_accepts_what_sglang_accepts(client, tiny_model_dir, tmp_path):
     # AReaL-lite's generate body as it sends it: image_data, neutral penalties.
     status, answer = post_raw(client, "/generate", json.dumps({

@@ -210,6 +210,38 @@ def test_every_sampling_parameter_we_send_is_one_sglang_takes_and_no_seed_is_rel
     assert builtin == {**sglang, "sampling_seed": builtin["sampling_seed"]}  # seeded where each answer is
 
 
+def class_default(name: str, field: str) -> Any:
+    """The default of ``field`` of io_struct class ``name`` (its own or a base's), a literal."""
+    classes = {n.name: n for n in tree("managers/io_struct.py").body if isinstance(n, ast.ClassDef)}
+    stack = [classes[name]]
+    while stack:
+        cls = stack.pop()
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and getattr(stmt.target, "id", None) == field:
+                return ast.literal_eval(stmt.value)
+        stack += [classes[b.id] for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
+    raise KeyError(f"{name} has no field {field}")
+
+
+def test_the_builtin_servers_weight_updates_default_to_sglangs_abort_all_requests():
+    from areal_hpc.gen.backends.builtin.server import ABORT_ALL_DEFAULT
+
+    routes = request_classes()
+    for kind in ("disk", "distributed", "tensor"):
+        route = f"/update_weights_from_{kind}"
+        assert class_default(routes[route], "abort_all_requests") is ABORT_ALL_DEFAULT, route
+
+
+def test_both_servers_report_their_context_length_in_server_info(builtin_client):
+    # SGLang's /server_info spreads its ServerArgs, context_length among them (null unless launched with it).
+    named = lambda file, name: [n for n in tree(file).body if getattr(n, "name", "") == name]  # noqa: E731
+    (handler,) = named("entrypoints/http_server.py", "server_info")
+    assert "**dataclasses.asdict(_global_state.tokenizer_manager.server_args)" in ast.unparse(handler)
+    (args,) = named("server_args.py", "ServerArgs")
+    assert "context_length: Optional[int] = None" in ast.unparse(args)
+    assert builtin_client.context_length() == 2048  # the tiny model's
+
+
 # --- routing replay (issue 33): what we ask SGLang for, and how it answers ----------------------------------
 
 

@@ -138,6 +138,7 @@ class GenClient:
         self.where = f"{name} ({self.url})" if name else self.url  # how errors name the server
         self.admission = admission(self.url, capacity) if capacity is not None else None
         self._local = threading.local()  # this thread's kept-alive connection
+        self._context: tuple[int | None] | None = None  # (context_length,) once asked
 
     # --- generation ---------------------------------------------------------------------------------------
 
@@ -201,7 +202,9 @@ class GenClient:
         abort_all_requests: bool = True,
         timeout: float | None = None,
     ) -> dict:
-        """Make the server load the HF weights in ``model_path``; raises GenServerError unless it succeeded."""
+        """Make the server load the HF weights in ``model_path``; raises GenServerError unless it succeeded.
+        ``abort_all_requests`` is always sent: this method aborts running requests unless told not to (the
+        server's own default, SGLang's, lets them finish first)."""
         body: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
@@ -251,7 +254,8 @@ class GenClient:
         """Make the server receive these tensors from rank 0 of the group and load them (SGLang's names).
 
         With ``load_format="flattened_bucket"`` they come as one flat buffer, else one broadcast each. The call
-        returns once they are received and swapped in.
+        returns once they are received and swapped in. ``abort_all_requests`` is always sent (see
+        ``update_weights_from_disk``).
         """
         body: dict[str, Any] = {
             "names": names,
@@ -335,6 +339,17 @@ class GenClient:
     def server_info(self) -> dict:
         """Server arguments and state (weight_version, running and queued request counts, stats)."""
         return self._call("GET", "/server_info")
+
+    def context_length(self) -> int | None:
+        """The most tokens (prompt and answer) the server takes: /server_info's ``context_length``, the built-in
+        server's own and SGLang's --context-length (null there when not given: then None). Asked once."""
+        if self._context is None:
+            value = self.server_info().get("context_length")
+            known = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            if not known:
+                log.info("%s reports no context_length: the configured one bounds its requests", self.where)
+            self._context = (value if known else None,)
+        return self._context[0]
 
     # --- transport ----------------------------------------------------------------------------------------
 

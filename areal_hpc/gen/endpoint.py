@@ -71,7 +71,7 @@ class Session:
 
     @property
     def context(self) -> int | None:
-        return self.ctx.services.max_context
+        return self.ctx.max_context
 
     def body_limit(self) -> int:
         """The largest body this episode may send: one whose text could fit the model's context."""

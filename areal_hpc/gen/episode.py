@@ -77,7 +77,9 @@ class Services:
     toolbox: Toolbox | None = None
     version_now: Callable[[], int] | None = None  # None: interruptible (the server tags each part)
     stop: threading.Event | None = None  # the role stops: requests waiting for admission give up
-    max_context: int | None = None  # prompt + new tokens a server takes (its context length); None: no bound
+    # Prompt + new tokens a server takes as configured (episodes.max_context); an episode's own server bounds it
+    # further where it reports its context (EpisodeContext.max_context). None: no bound configured.
+    max_context: int | None = None
     vocab_size: int | None = None  # the model's token ids are below it (None: the tokenizer's length)
     journals: Journals | None = None  # where episodes record their generations (None: nowhere, no resume)
 
@@ -102,6 +104,8 @@ class EpisodeContext:
         self.tokenizer, self.options = services.tokenizer, services.options
         self.last_turn: Generation | None = None
         self.params = {**params, "n": 1}
+        # The server's context where it reports one (a larger request is a 400 there), within the configured.
+        self.max_context = min(filter(None, (services.max_context, client.context_length())), default=None)
         self.trajectories: list[Trajectory] = []
         self.counts: Counter[str] = Counter()  # turns, interrupted_turns, breaks, drifted_turns, tool_*
         self.tool_secs = 0.0
@@ -131,7 +135,7 @@ class EpisodeContext:
             self.trajectories.append(traj)
         traj.add_context(ids[len(traj.ids) :])
         params = self._turn_params(sampling)
-        limit = self.services.max_context
+        limit = self.max_context
         room = limit - len(ids) - 1 if limit else params["max_new_tokens"]
         if room < 1:  # the conversation fills the servers' context: the episode can only end here
             self.counts["context_full"] += 1

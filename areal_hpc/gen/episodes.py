@@ -109,11 +109,13 @@ def make_services(cfg: ExperimentConfig, tokenizer, rewards, **kwargs) -> Servic
 
 
 def max_context(cfg: ExperimentConfig, model) -> int:
-    """The tokens (prompt and answer) a generation server takes: SGLang's context_length when set, else the
-    model's own (``model``'s max_position_embeddings), which the built-in server and SGLang both default to."""
-    if gen_backend(cfg) == "sglang" and cfg.sglang.context_length:
-        return cfg.sglang.context_length
-    return model.max_position_embeddings
+    """The tokens (prompt and answer) a generation server takes as configured: sglang.context_length, which
+    both backends are launched with, else the model's own (``model``'s max_position_embeddings); the built-in
+    server takes no more than the model's. A server that reports its own (/server_info's context_length: the
+    built-in server's is bounded by its KV cache too) bounds its episodes by that (EpisodeContext)."""
+    model_len = model.max_position_embeddings
+    configured = cfg.sglang.context_length or model_len
+    return configured if gen_backend(cfg) == "sglang" else min(configured, model_len)
 
 
 class Episodes:

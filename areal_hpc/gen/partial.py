@@ -126,8 +126,25 @@ def continuation_params(params: dict, answer: PartialAnswer, index: int) -> dict
     out = {**params, "n": 1, "max_new_tokens": params["max_new_tokens"] - done}
     out["min_new_tokens"] = max(0, params.get("min_new_tokens", 0) - done)
     if params.get("sampling_seed") is not None:
-        out["sampling_seed"] = params["sampling_seed"] + 1000 * index + done  # not a replay of the first part
+        out["sampling_seed"] = continuation_seed(params["sampling_seed"], index, done)
     return out
+
+
+CONTINUED = 1 << 62  # continuation seeds lie in [2**62, 2**63); a request's seeds (< 2**31 here) lie below
+
+
+def continuation_seed(seed: int, index: int, done: int) -> int:
+    """The seed of answer ``index``'s part after ``done`` tokens, for a request whose n answers take seeds
+    seed + j: never one of those (it is at least 2**62), never a replay of an earlier part, and distinct for
+    every (index < 2**22, done < 2**40) of the request (a per-request hash plus a distinct offset, mod 2**62)."""
+    return CONTINUED + (_mix64(seed) + (index << 40) + done) % CONTINUED
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: requests with nearby seeds get unrelated bases."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
 
 
 def generate_group(

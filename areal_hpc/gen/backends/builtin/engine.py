@@ -3,10 +3,11 @@
 HTTP threads call ``submit`` (queue rows, get a ``Request`` to wait on) and the control methods (abort, pause,
 continue, weight update); controls run on the engine thread between two forward passes, so the batch and the
 model are only ever touched by that thread. Each sample of a request is a row with its own random stream
-(``sampling_seed`` + sample index, or a seed drawn from the server's seeded generator at submission), so a
-sample does not depend on which requests it was batched with. The pieces: ``scheduler`` (rows and slots),
-``runner`` (prefill and decode steps, CUDA graphs), ``cache`` (the KV cache), ``model`` (the decoder's
-weights and forward; ``moe`` the experts of a mixture), ``sampling`` and ``loading`` (tokenizer, EOS ids).
+(``sampling_seed`` + sample index, or a seed drawn from the server's seeded generator at submission), so its
+draws do not depend on which requests it was batched with (its logits can, in their last bits: see
+``sampling``). The pieces: ``scheduler`` (rows and slots), ``runner`` (prefill and decode steps, CUDA
+graphs), ``cache`` (the KV cache), ``model`` (the decoder's weights and forward; ``moe`` the experts of a
+mixture), ``sampling`` and ``loading`` (tokenizer, EOS ids).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from areal_hpc.gen.backends.builtin.scheduler import Row, Scheduler
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's; in_place and retract both keep rows for continue
+PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's; no tags: all of them
 CONTROL_TIMEOUT_S = 120.0
 
@@ -209,15 +210,25 @@ class Engine:
         return self._call(lambda: self._abort_now(lambda req: req.rid == rid, "aborted by request"))
 
     def pause(self, mode: str = "abort") -> int:
-        """Stop scheduling; mode abort also finishes in-flight requests (returns how many were aborted)."""
+        """Stop scheduling, as SGLang's modes do: abort finishes in-flight requests (returns how many);
+        in_place keeps running rows with their KV cache; retract drops their KV cache and queues them first,
+        so that on continue a prefill of prompt + output so far recomputes it (with the weights of then)."""
         if mode not in PAUSE_MODES:
             raise RequestError("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
 
         def pause_now() -> int:
             self._paused = True
+            if mode == "retract":
+                self._retract()
             return self._abort_now(lambda req: True, "generation paused") if mode == "abort" else 0
 
         return self._call(pause_now)
+
+    def _retract(self) -> None:
+        finished, rows = self._sched.retract()
+        self._finish(finished)
+        with self._cond:
+            self._waiting.extendleft(reversed(rows))
 
     def resume(self) -> None:
         """Continue after ``pause``."""
@@ -483,6 +494,7 @@ class Engine:
                 "healthy": self.healthy,
                 "stats": dict(self._sched.stats),
                 "slot_len": self._sched.runner.slot_len,
+                "context_length": self.context_len,  # SGLang's field: the longest prompt + answer served
             }
 
 

@@ -1,10 +1,16 @@
 """Next-token sampling on the device, per slot: temperature, top-p, top-k, banned stop tokens and a seeded draw.
 
 Each slot keeps its sample's settings in device tensors, so a decode step samples with no host round trip. The
-random number of a sample's k-th token is a hash of (its seed, k): a sample does not depend on which rows it
-was batched with, nor on the device. The logprob returned for a token is ``log_softmax(logits / temperature)``
-of that token over the WHOLE vocabulary (``log_softmax(logits)`` when greedy): top-k, top-p and the
-min_new_tokens ban only restrict which tokens may be drawn. That is what a trainer recomputes, as SGLang reports.
+random number of a sample's k-th token is a hash of (its seed, k) only, the same on every device, and a row's
+draw reads only its own logits and settings (its bans included). Its logits are not batch-independent: matrix
+products and attention choose their kernels, hence their summation order, by batch size and span (bf16 GEMM
+tiling on a GPU; float32 on CPU too: one sample alone and beside 11 rows had logprobs up to 5e-7 apart), so a
+draw whose uniform falls that close to a step of the CDF can change. A sample is batch-independent only where
+its logits are bit-identical; elsewhere its tokens nearly always are, and its distribution is.
+
+The logprob returned for a token is ``log_softmax(logits / temperature)`` of that token over the WHOLE vocabulary
+(``log_softmax(logits)`` when greedy): top-k, top-p and the min_new_tokens ban only restrict which tokens may be
+drawn. That is what a trainer recomputes, as SGLang reports.
 """
 
 from __future__ import annotations
@@ -68,21 +74,29 @@ class SlotSampling:
         self.filtered: set[int] = set()  # slots whose rows use top-k or top-p: the step takes the sort path
 
     def set(
-        self, slots: list[int], params: list[SamplingParams], seeds: list[int], stops: list[frozenset]
+        self,
+        slots: list[int],
+        params: list[SamplingParams],
+        seeds: list[int],
+        stops: list[frozenset],
+        counts: list[int] | None = None,
     ) -> None:
-        """Give ``slots`` their rows' settings, with no tokens generated yet."""
+        """Give ``slots`` their rows' settings, with ``counts`` tokens generated so far (default none)."""
         index = torch.tensor(slots, device=self.device)
         put = lambda t, values: t.index_copy_(0, index, torch.tensor(values, dtype=t.dtype).to(self.device))  # noqa: E731
         put(self.temperature, [p.temperature for p in params])
         put(self.top_p, [p.top_p for p in params])
         put(self.top_k, [p.top_k if p.top_k > 0 else self.vocab for p in params])
         put(self.seed, seeds)
-        put(self.count, [0] * len(slots))
-        put(self.min_new, [p.min_new_tokens if s else 0 for p, s in zip(params, stops, strict=True)])
-        width = max(max((len(s) for s in stops), default=1), self.stop_ids.shape[1])
-        if width > self.stop_ids.shape[1]:
-            self.stop_ids = torch.nn.functional.pad(self.stop_ids, (0, width - self.stop_ids.shape[1]))
-        rows = [sorted(t for t in s if t < self.vocab) or [0] for s in stops]
+        put(self.count, counts or [0] * len(slots))
+        rows = [sorted(t for t in s if t < self.vocab) for s in stops]
+        # A row with no stop id in the vocabulary bans nothing: its table holds token 0, never banned.
+        put(self.min_new, [p.min_new_tokens if r else 0 for p, r in zip(params, rows, strict=True)])
+        rows = [r or [0] for r in rows]
+        width = max(max(len(r) for r in rows), self.stop_ids.shape[1])
+        if width > self.stop_ids.shape[1]:  # running rows repeat their own first id: zeros would ban token 0
+            extra = self.stop_ids[:, :1].expand(-1, width - self.stop_ids.shape[1])
+            self.stop_ids = torch.cat([self.stop_ids, extra], dim=1)
         put(self.stop_ids, [r + [r[0]] * (width - len(r)) for r in rows])
         for slot, p in zip(slots, params, strict=True):
             (self.filtered.add if p.top_k > 0 or p.top_p < 1.0 else self.filtered.discard)(slot)

@@ -47,6 +47,11 @@ class Row:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def context(self) -> list[int]:
+        """What the row's prefill reads: its prompt, and after a retraction its output so far."""
+        return self.prompt + self.output_ids
+
     def wants(self, limit: int) -> bool:
         """Whether a token beyond those in flight may still be needed."""
         made = len(self.output_ids) + self.inflight
@@ -99,10 +104,10 @@ class Scheduler:
         groups: dict[tuple[int, ...], list[Row]] = {}
         for row in rows:
             if not row.done:
-                groups.setdefault(tuple(row.prompt), []).append(row)
+                groups.setdefault(tuple(row.context), []).append(row)
         chunk: list[list[Row]] = []
         for group in groups.values():
-            if chunk and sum(len(g[0].prompt) for g in chunk) + len(group[0].prompt) > PREFILL_TOKENS:
+            if chunk and sum(len(g[0].context) for g in chunk) + len(group[0].context) > PREFILL_TOKENS:
                 self._prefill(chunk)
                 chunk = []
             chunk.append(group)
@@ -120,12 +125,14 @@ class Scheduler:
             [r.params for r in rows],
             [r.seed for r in rows],
             [r.stop_ids for r in rows],
+            [len(r.output_ids) for r in rows],  # a retracted row's stream goes on where it stopped
         )
-        done = self.runner.prefill([g[0].prompt for g in groups], [[r.slot for r in g] for g in groups])
+        done = self.runner.prefill([g[0].context for g in groups], [[r.slot for r in g] for g in groups])
         for j, group in enumerate(groups):
             for row in group:
                 if row.routed is not None and done.routed is not None:
-                    row.routed.append(done.routed[j])  # the n samples of a prompt share its prefill
+                    # The n samples of a prompt share its prefill; a retracted row's covers its output too.
+                    row.routed = [done.routed[j]]
         for row, token, logprob in zip(rows, done.tokens, done.logprobs, strict=True):
             row.append(token, logprob, self.limit)
         self.rows = self.rows + rows
@@ -152,6 +159,18 @@ class Scheduler:
         """Read the step in flight (before rows are admitted or aborted); returns the rows it finished."""
         pending, self._pending = self._pending, None
         return self._collect(pending)
+
+    def retract(self) -> tuple[list[Row], list[Row]]:
+        """Free every running row's slot, its KV cache dropped (SGLang's pause mode retract); returns the rows
+        the step in flight finished, and the retracted rows, to admit again (their prefill recomputes it)."""
+        finished = self.flush()
+        retracted, self.rows = self.rows, []
+        if retracted:
+            self.runner.free([r.slot for r in retracted])
+        for row in retracted:
+            heapq.heappush(self._free, row.slot)
+            row.slot = -1
+        return finished, retracted
 
     def abort(self, match: Callable[[Row], bool], message: str) -> list[Row]:
         """Finish every row for which ``match(row)`` holds, with finish reason abort; returns finished rows."""

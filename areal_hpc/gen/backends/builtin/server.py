@@ -10,12 +10,14 @@ a route does not use are ignored, as SGLang ignores them)::
     POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
                                     "group_name", "backend", "timeout_secs" (ours; SGLang has none)}
     POST /update_weights_from_distributed  {"names", "dtypes", "shapes", "group_name", "weight_version",
-                                    "flush_cache", "abort_all_requests" (default true), "load_format"}
+                                    "flush_cache", "abort_all_requests", "load_format"}
     POST /update_weights_from_tensor  {"serialized_named_tensors" (one entry: weights/shared.py), "load_format"
-                                    (null), "weight_version", "flush_cache", "abort_all_requests" (default false)}
+                                    (null), "weight_version", "flush_cache", "abort_all_requests"}
     POST /destroy_weights_update_group  {"group_name"}
     POST /abort_request             {"rid"} or {"abort_all": true}
-    POST /pause_generation          {"mode": "abort" | "in_place" | "retract"}
+    POST /pause_generation          {"mode": "abort" | "in_place" | "retract"}: abort ends running requests;
+                                    in_place keeps them with their KV cache; retract drops their KV cache and
+                                    recomputes it (prompt + output so far) on continue, under the weights then
     POST /continue_generation
     POST /release_memory_occupation {"tags": ["weights", "kv_cache", "cuda_graph"] or null (all)}: only while
                                     idle; the weights' storage is freed and /generate refused meanwhile
@@ -29,6 +31,9 @@ Usage::
     python -m areal_hpc.gen.backends.builtin.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
         [--address-file A] [--seed S] [--max-batch-size N] [--device cpu] [--dtype float32]
         [--mem-fraction-static F] [--context-length N] [--enable-return-routed-experts]
+
+The three weight updates take SGLang's default abort_all_requests (false): running requests finish first,
+unless generation is paused (then they continue on the new weights).
 
 Once it serves, ``{"url", "pid"}`` is written to the address file (``gen.discovery``, tmp + rename); SIGTERM or
 SIGINT stop it cleanly (in-flight requests answer with finish reason abort) and remove that file. The gen_server
@@ -67,6 +72,7 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 * 1024 * 1024
 PUBLIC_ROUTES = {"/health", "/health_generate"}  # as SGLang's: they never need the key
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+ABORT_ALL_DEFAULT = False  # SGLang's abort_all_requests for every weight-update route (io_struct.py)
 WEIGHT_SYNC_TIMEOUT_S = 300.0  # a weight group's waits, unless /init_weights_update_group gives timeout_secs
 
 
@@ -154,7 +160,7 @@ class App:
             raise RequestError("model_path", "missing: the HF directory holding the new weights")
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise RequestError("load_format", f"unsupported here: {body['load_format']!r}")
-        abort_all = _flag(body, "abort_all_requests", False)
+        abort_all = _flag(body, "abort_all_requests", ABORT_ALL_DEFAULT)
         try:
             version = self.engine.update_weights(path, body.get("weight_version"), abort_all=abort_all)
         except Exception as exc:  # whatever the loader raises, the caller gets it as the message
@@ -180,7 +186,7 @@ class App:
         return 200, {"success": True, "message": f"joined weight update group {name!r} as rank {rank}"}
 
     def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
-        """Receive tensors from rank 0 of the group and swap them in (running requests abort by default)."""
+        """Receive tensors from rank 0 of the group and swap them in."""
         try:
             metas = metas_from_fields(body.get("names"), body.get("dtypes"), body.get("shapes"))
         except FieldError as exc:
@@ -189,7 +195,7 @@ class App:
         if load_format not in (None, FLATTENED):
             raise RequestError("load_format", f"must be null or {FLATTENED!r}, got {load_format!r}")
         name = _group_name(body)
-        abort_all = _flag(body, "abort_all_requests", True)
+        abort_all = _flag(body, "abort_all_requests", ABORT_ALL_DEFAULT)
         _flag(body, "flush_cache", True)  # no prefix cache here: nothing to flush
         receive = lambda: self.weight_groups.receive(name, metas, flattened=load_format == FLATTENED)  # noqa: E731
         try:
@@ -202,7 +208,7 @@ class App:
 
     def update_weights_from_tensor(self, body: dict) -> tuple[int, Any]:
         """Copy tensors a process of this host shares (CUDA IPC, shared memory: weights/shared.py) into the
-        model; SGLang's default keeps running requests (abort_all_requests false)."""
+        model."""
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
             raise RequestError(
@@ -212,7 +218,7 @@ class App:
             raise RequestError("load_format", f"must be null here, got {body['load_format']!r}")
         if body.get("disable_draft_model"):
             raise RequestError("disable_draft_model", "this server has no draft model")
-        abort_all = _flag(body, "abort_all_requests", False)
+        abort_all = _flag(body, "abort_all_requests", ABORT_ALL_DEFAULT)
         _flag(body, "flush_cache", True)  # no prefix cache here: nothing to flush
         receive = lambda: shared.deserialize(entries[0])  # noqa: E731
         try:
