@@ -1,8 +1,8 @@
 """Mixture-of-experts models in the megatron backend on CPU gloo ranks: HF <-> Megatron conversion of experts
 split over expert-parallel ranks, the model's logprobs equal to transformers' at EP=1, EP=2 and TP=2 x EP=2,
 and a training step at those layouts equal to one rank's. A Qwen2-MoE built here adds a shared expert, a dense
-layer and the load-balancing loss. Routing replay: the routers route as the servers did after the weights
-moved."""
+layer and the auxiliary losses: equal to one rank's with padding at TP=2, the balancing loss equal to
+transformers'. Routing replay: the routers route as the servers did after the weights moved."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
 
 from areal_hpc.config.schema import ActorConfig, MicroBatchSpec, OptimizerConfig
 from areal_hpc.data import CU, ROUTED_EXPERTS, select
@@ -33,24 +34,27 @@ def hf_of(model_dir) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def qwen2_moe_dir(tmp_path_factory):
-    """A random Qwen2-MoE: 8 experts, top 2 without renormalisation, a gated shared expert, layer 1 dense, the
-    load-balancing loss and a router z-loss on (no Qwen config sets one; transformers keeps the key)."""
+def qwen2_moe(path, num_hidden_layers=2, router_z_loss_coef=0.001):
+    """A random Qwen2-MoE saved in ``path``: 8 experts, top 2 without renormalisation, a gated shared expert, layer 1
+    dense, the load-balancing loss and a router z-loss on (no Qwen config sets one; transformers keeps the key)."""
     config = Qwen2MoeConfig(
-        vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
-        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
-        output_router_logits=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001, tie_word_embeddings=True,
+        vocab_size=1024, hidden_size=64, num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1], output_router_logits=True,
+        router_aux_loss_coef=0.01, router_z_loss_coef=router_z_loss_coef, tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2MoeForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.1)
-    path = tmp_path_factory.mktemp("qwen2-moe")
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dir(tmp_path_factory):
+    return qwen2_moe(tmp_path_factory.mktemp("qwen2-moe"))
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (2, 1, 4), (1, 2, 8), (2, 2, 2)])
@@ -79,19 +83,24 @@ def test_each_expert_parallel_rank_holds_its_own_experts(tiny_moe_dir):
     assert second.hf_names == tuple(f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in (2, 3))
 
 
-def _rank_main(rank, world, layout, model_dir, mb_tokens, out):
+def no_loss(out, mb):  # the step's gradient is then the auxiliary losses' alone
+    return out["logprobs"].sum() * 0.0
+
+
+def _rank_main(rank, world, layout, model_dir, mb_tokens, loss_fn, recompute, out):
     tp, pp, ep = layout
     torch.set_num_threads(1)
     dist.init_distributed(rank, world, f"{out}.init", backend="gloo", timeout_s=300)
     try:
         from areal_hpc.train.backends.megatron.engine import MegatronEngine
 
-        engine = MegatronEngine(model_config(model_dir), 10, tensor=tp, pipeline=pp, expert=ep)
+        cfg = model_config(model_dir, gradient_checkpointing=recompute)
+        engine = MegatronEngine(cfg, 10, tensor=tp, pipeline=pp, expert=ep)
         before = engine.logprobs(packed(), 1.0, MicroBatchSpec(max_tokens_per_mb=16))
         replicas = world // (tp * pp)  # each data-parallel replica trains on its share of the sequences
         mine = np.array_split(np.arange(len(LENGTHS)), replicas)[engine.groups.dp.rank()]
         mbs = micro_batches(select(packed(), list(mine)), MicroBatchSpec(max_tokens_per_mb=mb_tokens))
-        step = engine.train_minibatch(mbs, nll)
+        step = engine.train_minibatch(mbs, loss_fn)
         after = engine.logprobs(packed(), 1.0, MicroBatchSpec(max_tokens_per_mb=16))
         weights = dict(engine.hf_weights())
         plan = engine.hf_params()  # what publication's buckets are planned from: every expert of every rank
@@ -104,15 +113,16 @@ def _rank_main(rank, world, layout, model_dir, mb_tokens, out):
         dist.destroy()
 
 
-def run(model_dir, tmp, layout, mb_tokens=20) -> list[dict]:
+def run(model_dir, tmp, layout, mb_tokens=20, loss_fn=nll, recompute=False) -> list[dict]:
     """``layout`` (tensor, pipeline, expert) on gloo ranks, two data-parallel replicas when expert > 1: every
-    rank's results."""
+    rank's results (``recompute``: with activation recomputation)."""
     tp, pp, ep = layout
     world = tp * pp * (2 if ep > 1 else 1)
-    prefix = str(tmp / f"tp{tp}pp{pp}ep{ep}-{mb_tokens}" / "rank")
+    prefix = str(tmp / f"tp{tp}pp{pp}ep{ep}-{mb_tokens}{'-recompute' * recompute}" / "rank")
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank_main, args=(world, layout, str(model_dir), mb_tokens, prefix), nprocs=world)
+    args = (world, layout, str(model_dir), mb_tokens, loss_fn, recompute, prefix)
+    mp.spawn(_rank_main, args=args, nprocs=world)
     return [torch.load(f"{prefix}.{r}") for r in range(world)]
 
 
@@ -151,20 +161,80 @@ def test_save_hf_writes_every_expert_for_transformers(tiny_runs):
         torch.testing.assert_close(saved[name], tensor, atol=1e-6, rtol=0)
 
 
-def test_shared_expert_dense_layer_and_auxiliary_losses_at_ep2_equal_one_rank(qwen2_moe_dir, tmp_path):
-    """One sequence per micro-batch, so that each micro-batch's balancing loss is the same on either layout."""
+@pytest.fixture(scope="module")
+def qwen2_runs(qwen2_moe_dir, tmp_path_factory):
+    """``runs(layout)``: every rank's results of ``run`` on the Qwen2-MoE, one sequence per micro-batch (so that
+    each micro-batch's balancing loss is the same on every layout), each layout run once."""
+    tmp, done = tmp_path_factory.mktemp("qwen2-moe-runs"), {}
+
+    def runs(layout, recompute=False):
+        if (layout, recompute) not in done:
+            done[layout, recompute] = run(qwen2_moe_dir, tmp, layout, mb_tokens=1, recompute=recompute)
+        return done[layout, recompute]
+
+    return runs
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2), (2, 1, 1), (2, 1, 2)])
+def test_shared_expert_dense_layer_and_auxiliary_losses_equal_one_rank(qwen2_moe_dir, qwen2_runs, layout):
+    """At TP=2 the odd lengths (9, 5, 13, 7, 11) are padded: padding counts in neither auxiliary loss, and the
+    TP ranks' parts of a micro-batch's losses (and of their statistics) add up to one rank's."""
     expected = alone(qwen2_moe_dir, packed(), 1.0)
-    one, *_ = run(qwen2_moe_dir, tmp_path, (1, 1, 1), mb_tokens=1)
-    many = run(qwen2_moe_dir, tmp_path, (1, 1, 2), mb_tokens=1)
+    one, many = qwen2_runs((1, 1, 1))[0], qwen2_runs(layout)
     for rank in [one, *many]:
         torch.testing.assert_close(rank["before"], expected, atol=1e-5, rtol=0)
     assert one["step"]["moe/load_balancing_loss"] > 0 and one["step"]["moe/z_loss"] > 0
     assert list(k for k in one["step"] if "layer" in k) == ["moe/load_imbalance/layer0"]  # layer 1 is dense
-    assert sum(rank["step"]["loss"] for rank in many) == pytest.approx(one["step"]["loss"], rel=1e-6)
+    replicas_loss = sum(rank["step"]["loss"] for rank in many) / layout[0]  # each on its TP ranks
+    assert replicas_loss == pytest.approx(one["step"]["loss"], rel=1e-6)
     for rank in many:
         for key in ("grad_norm", "moe/load_balancing_loss", "moe/z_loss", "moe/load_imbalance"):
             assert rank["step"][key] == pytest.approx(one["step"][key], rel=1e-5), key
         torch.testing.assert_close(rank["after"], one["after"], atol=1e-5, rtol=0)
+        for name, tensor in rank["weights"].items():
+            torch.testing.assert_close(tensor, one["weights"][name], atol=1e-6, rtol=0)
+
+
+def test_activation_recomputation_changes_no_auxiliary_loss(qwen2_runs):
+    """A recomputed layer routes twice (without gradients, then with): its losses count once."""
+    one, again = qwen2_runs((1, 1, 1))[0]["step"], qwen2_runs((1, 1, 1), recompute=True)[0]["step"]
+    for key in ("loss", "grad_norm", "moe/load_balancing_loss", "moe/z_loss", "moe/load_imbalance"):
+        assert again[key] == pytest.approx(one[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("layers", [2, 4])  # layer 1 dense: one sparse layer, or three
+def test_the_balancing_loss_is_transformers_aux_loss(tmp_path, layers):
+    """One step, one micro-batch of all the sequences, a loss of zero and no z loss: the step's gradient is the
+    balancing loss's alone. transformers' model on the same weights, the sequences padded in one batch, gives its
+    ``aux_loss`` (one loss over every sparse layer's tokens together) and, from its router logits, the loss of each
+    sparse layer alone: the engine's loss is their mean, HF's aux_loss with one sparse layer."""
+    model_dir = qwen2_moe(tmp_path / "model", num_hidden_layers=layers, router_z_loss_coef=0.0)
+    step = run(model_dir, tmp_path, (1, 1, 1), mb_tokens=1000, loss_fn=no_loss)[0]["step"]
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.zeros(len(LENGTHS), max(LENGTHS), dtype=torch.long)
+    mask = torch.arange(max(LENGTHS)) < torch.tensor(LENGTHS)[:, None]
+    ids[mask] = torch.from_numpy(packed()["packed_input_ids"])
+    out = hf(input_ids=ids, attention_mask=mask.long(), output_router_logits=True)
+    experts, k, coef = hf.config.num_experts, hf.config.num_experts_per_tok, hf.config.router_aux_loss_coef
+    per_layer = torch.stack([load_balancing_loss_func((x,), experts, k, mask) for x in out.router_logits])
+    (coef * per_layer.mean()).backward()
+    grad_norm = torch.cat([x.grad.flatten() for x in hf.parameters() if x.grad is not None]).norm()
+
+    mean = float(per_layer.mean())
+    assert step["moe/load_balancing_loss"] == pytest.approx(mean, rel=1e-5)
+    assert step["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)  # the loss the engine trains on
+    # HF's pooled loss is the layers' mean less E * sum_i cov_l(f_i, P_i) over the layers: f_i = the top-k choices
+    # of expert i per token, P_i = its mean probability, over each layer's real tokens
+    logits = torch.stack(out.router_logits)[:, mask.flatten()].detach()  # [sparse layers, tokens, experts]
+    f = torch.zeros_like(logits).scatter_(-1, logits.topk(k).indices, 1.0).mean(1)
+    probs = logits.softmax(-1).mean(1)
+    covariance = float(((f * probs).mean(0) - f.mean(0) * probs.mean(0)).sum())
+    assert float(out.aux_loss) == pytest.approx(mean - experts * covariance, rel=1e-5)
+    if layers == 2:  # one sparse layer: HF's aux_loss itself
+        assert step["moe/load_balancing_loss"] == pytest.approx(float(out.aux_loss), rel=1e-5)
+    else:  # 2.085 here, HF's 2.032
+        assert abs(experts * covariance) > 0.01
 
 
 # --- routing replay ----------------------------------------------------------------------------------------------

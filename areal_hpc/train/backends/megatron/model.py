@@ -55,9 +55,8 @@ def moe_fields(hf: dict[str, Any], tp: int, ep: int, replay: bool = False) -> di
 
     - Routing: HF takes the softmax over all experts, then the top k, renormalised if ``norm_topk_prob``; the
       top k of the logits then a softmax over them (``pre_softmax`` False) is the same renormalised choice.
-    - Losses: HF's load-balancing loss is one switch loss over every layer's tokens together, Megatron's one
-      per layer, summed: the coefficient per layer is HF's divided by the sparse layers, the same scale. The
-      engine sets the coefficients per step (``MegatronEngine._aux_coefficients``).
+    - Losses: megatron-core's load-balancing loss (one per layer, summed) and z loss; ``moe.MoeStats`` sets their
+      coefficients per step (its module says how they relate to HF's).
     """
     n_experts = moe_experts(hf)
     if not n_experts:
