@@ -142,7 +142,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
     selected = runs.select_runs(ns.run, ns.fileroot)[-1:]
     if not selected:
-        print(f"no runs under {ns.fileroot or runs.DEFAULT_FILEROOT}")
+        print(no_runs(ns))
     for run in selected:
         if ns.watch:
             run_status.watch(run, ns.interval)
@@ -154,7 +154,11 @@ def cmd_status(ns: argparse.Namespace) -> int:
 def cmd_stop(ns: argparse.Namespace) -> int:
     from areal_hpc.launch import runs
 
-    states = runs.stop(one_run(ns), ns.timeout)
+    run = one_run(ns)
+    if not runs.job_ids(run):  # a local run: its `areal-hpc run` stops it
+        print(runs.stop_local(run, ns.timeout))
+        return 0
+    states = runs.stop(run, ns.timeout)
     print("\n".join(f"slurm job {jid}: {state}" for jid, state in sorted(states.items())))
     return 0
 
@@ -190,15 +194,31 @@ def cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_episodes(ns: argparse.Namespace) -> int:
+    from areal_hpc.monitor import show_episodes
+
+    return show_episodes(one_run(ns), ns.step, ns.prompt, ns.json)
+
+
 def cmd_list(ns: argparse.Namespace) -> int:
     from areal_hpc.control import get_status
     from areal_hpc.launch import runs
 
-    for run in runs.select_runs(ns.run, ns.fileroot):
+    found = runs.select_runs(ns.run, ns.fileroot)
+    if not found:
+        print(no_runs(ns))
+    for run in found:
         status = get_status(run)
         jobs = ",".join(runs.job_ids(run)) or "local"
         print(f"{run.root}  {status.state if status else 'NOT STARTED'}  jobs {jobs}")
     return 0
+
+
+def no_runs(ns: argparse.Namespace) -> str:
+    """What `status` and `list` say when they find no run: where they looked."""
+    from areal_hpc.launch import runs
+
+    return f"no run of {' '.join(ns.run)}" if ns.run else f"no runs under {runs.searched(ns.fileroot)}"
 
 
 def add_run_arg(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +228,9 @@ def add_run_arg(parser: argparse.ArgumentParser) -> None:
         "(their cluster.fileroot and experiment; their trial_name if set, else the newest run)",
     )  # fmt: skip
     parser.add_argument(
-        "--fileroot", help="cluster.fileroot of the runs (default: the config's, or ~/areal_hpc)"
+        "--fileroot",
+        help="cluster.fileroot of the runs (default: the config's; else ~/areal_hpc and the shipped configs', "
+        "such as the toys' runs/ under the working directory)",
     )
 
 
@@ -298,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("-w", "--watch", action="store_true", help="a live table, redrawn until the run ends")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between redraws of --watch")
     status.set_defaults(func=cmd_status)
-    stop = verbs.add_parser("stop", help="cancel a run's Slurm jobs; returns once every component has ended")
+    stop = verbs.add_parser(
+        "stop", help="cancel a run's Slurm jobs, or stop its `areal-hpc run`; returns once all has ended"
+    )
     add_run_arg(stop)
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the jobs to end")
     stop.set_defaults(func=cmd_stop)
@@ -313,6 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arg(plot)
     plot.add_argument("--out", help="folder of the PNGs (default: the run's logs/plots)")
     plot.set_defaults(func=cmd_plot)
+    episodes = verbs.add_parser(
+        "episodes", help="print the transcripts of a run's episodes (rollout.transcript_groups groups a step)"
+    )
+    add_run_arg(episodes)
+    episodes.add_argument("--step", type=int, help="the step's episodes (default: the newest step's)")
+    episodes.add_argument("--prompt", metavar="ID", help="only the episodes of this prompt (its query id)")
+    episodes.add_argument("--json", action="store_true", help="as JSON lines, one an episode, as stored")
+    episodes.set_defaults(func=cmd_episodes)
     listing = verbs.add_parser("list", help="list runs under the fileroot with their state and Slurm jobs")
     add_run_arg(listing)
     listing.set_defaults(func=cmd_list)

@@ -152,3 +152,18 @@ def refuse_flock(err: int) -> None:
             assert exc.errno == err, exc
         else:
             raise AssertionError("flock still works after the filter")
+
+
+def pids_with_arg(*args: str) -> list[int]:
+    """pids of the processes one of whose arguments is one of `args`, whole (a run directory: its roles, and
+    agent programs given it; not a launcher whose override holds it), from /proc."""
+    wanted = {a.encode() for a in args}
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if wanted.intersection(argv):
+            pids.append(int(proc.name))
+    return pids

@@ -70,7 +70,7 @@ def test_an_agent_with_a_workflow_or_another_agent_is_refused_all_at_once(toy, c
     assert "'rollout.agent_model' is ''; give a model name without whitespace" in err
     assert (
         "'rollout.workflow' is 'tool_loop', but 'rollout.agent' and 'rollout.agent_command' are set: the agent "
-        "replaces the workflow; leave rollout.workflow unset"
+        "replaces the workflow; set rollout.workflow=single_turn (its default)"
     ) in err
 
 

@@ -17,6 +17,7 @@ import tempfile
 import time
 import uuid
 from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,14 +30,16 @@ from areal_hpc.control.fsio import name_of
 from areal_hpc.data import PromptSample
 from areal_hpc.gen.agents import command_agent
 from areal_hpc.gen.endpoint import Endpoint
-from areal_hpc.gen.episodes import AgentFailed, Episodes, GroupTimeout, run_group
+from areal_hpc.gen.episodes import AgentFailed, Episodes, GroupTimeout, episode_groups, run_group
 from areal_hpc.launch.preflight import agent_isolation_problems
+from areal_hpc.recover import ATTEMPT_ENV
 from areal_hpc.reward import own_uids_available
 from tests.helpers import REPO_ROOT
 from tests.test_episodes import PARAMS, RECORD, services
 
 PROGRAM = Path(__file__).parent / "plugins" / "sdk_agent_program.py"
 HOSTILE = Path(__file__).parent / "plugins" / "hostile_agent_program.py"
+CROWD = Path(__file__).parent / "plugins" / "crowd_agent_program.py"
 TOY = REPO_ROOT / "configs" / "toy-cpu.yaml"
 SECRET = "the-generation-servers-bearer-token\n"
 INNER = "AREAL_AGENT_PROGRAMS_TEST_LEG"  # set in the run of this file as root in a user namespace
@@ -74,7 +77,7 @@ def run_hostile(args, client, tokenizer, run_dir, *overrides, record=RECORD, tim
 def printed(run_dir: Path, index: int, record=RECORD) -> dict:
     """The JSON line episode ``index``'s program printed before its reward, from its group's log."""
     log = run_dir / "logs" / "agents" / "epoch0" / f"{name_of(record.query_id)}.log"
-    head = f"=== episode {index} of {record.query_id} (epoch 0), exit code 0: stdout\n"
+    head = f"=== episode {index} of {record.query_id} (epoch 0, attempt 0), exit code 0: stdout\n"
     return json.loads(log.read_text().split(head)[1].splitlines()[0])
 
 
@@ -109,8 +112,10 @@ def test_an_agent_program_is_trained_through_its_environment_and_its_output_is_k
     assert result.rewards == [1.0, 1.0] and result.counts["turns"] == 4 and result.counts["breaks"] == 0
     log = tmp_path / "epoch0" / f"{name_of(RECORD.query_id)}.log"
     for index in (0, 1):  # each episode's block: 5,000 bytes of stdout kept to 1,024, its stderr
-        block = log.read_text().split(f"=== episode {index} of q1 (epoch 0), exit code 0: stdout\n")[1]
-        out, err = block.split(f"=== episode {index} of q1 (epoch 0), exit code 0: stderr\n")
+        block = log.read_text().split(
+            f"=== episode {index} of q1 (epoch 0, attempt 0), exit code 0: stdout\n"
+        )[1]
+        out, err = block.split(f"=== episode {index} of q1 (epoch 0, attempt 0), exit code 0: stderr\n")
         assert out.startswith("x" * 1000) and "[cut: " in out and len(out) < 1100
         assert err.startswith("turn 0: ") and "turn 1: " in err
 
@@ -123,6 +128,47 @@ def test_an_agent_program_is_trained_through_its_environment_and_its_output_is_k
     assert time.monotonic() - start < 10
     assert "exit code -9: stdout\nstarted\n" in log.read_text()  # what it wrote before it was killed
     assert not running(str(PROGRAM))  # killed with the episode
+
+
+@pytest.mark.parametrize("last_line", ["nan", "1.0 points"])
+def test_a_program_whose_last_line_is_not_a_finite_number_fails_its_episode(
+    builtin_client, tiny_tokenizer, endpoint, tmp_path, last_line
+):
+    command = shlex.join([sys.executable, "-c", f"print({last_line!r})"])
+    workflow = command_agent(command, endpoint, tmp_path, 65536)
+    with pytest.raises(AgentFailed) as failed:
+        run_group(services(tiny_tokenizer), workflow, builtin_client, RECORD, PARAMS, 2, 30)
+    assert (
+        failed.value.cause
+        == "the last line of rollout.agent_command's stdout is not a finite number (the reward)"
+    )
+    assert f": {last_line!r} (its output: {tmp_path / 'epoch0'}/" in str(failed.value)
+
+
+def test_no_more_programs_run_at_once_than_agent_concurrency_and_their_logs_name_the_attempt(
+    builtin_client, tiny_tokenizer, run_dir, monkeypatch
+):
+    crowd = Path(tempfile.mkdtemp(prefix="crowd-"))  # where every program's uid may write (tests/plugins)
+    for folder in (crowd, crowd / "running", crowd / "seen"):
+        folder.mkdir(exist_ok=True)
+        folder.chmod(0o777)
+    monkeypatch.setenv("CROWD_DIR", str(crowd))
+    monkeypatch.setenv(ATTEMPT_ENV, "1")  # the run's second attempt
+    command = shlex.join([sys.executable, str(CROWD)])
+    cfg = load_config([TOY], [f"rollout.agent_command={command}", "rollout.agent_env=[CROWD_DIR]",
+                              "rollout.agent_concurrency=4", "group_size=8"])  # fmt: skip
+    episodes = Episodes(cfg, services(tiny_tokenizer), RunDir(run_dir))
+    prompts = [replace(RECORD, query_id=f"q{i}") for i in range(8)]
+    try:
+        groups, _ = episode_groups([builtin_client], episodes, prompts, epoch=0)
+        seen = [int(path.read_text()) for path in (crowd / "seen").iterdir()]
+    finally:
+        episodes.close()
+        shutil.rmtree(crowd)
+    assert [g.dropped for g in groups] == [None] * 8 and len(seen) == 64
+    assert max(seen) == 4  # as the programs counted themselves: never more
+    log = run_dir / "logs" / "agents" / "epoch0" / f"{name_of('q3')}.log"
+    assert log.read_text().count("of q3 (epoch 0, attempt 1), exit code 0: stdout\n") == 8
 
 
 def test_a_program_gets_no_variable_of_the_role_but_those_it_needs_and_those_agent_env_names(
@@ -208,7 +254,7 @@ def test_a_prompt_id_names_its_log_file_through_name_of(builtin_client, tiny_tok
     folder = run_dir / "logs" / "agents" / "epoch0"
     assert [p.name for p in folder.iterdir()] == [f"{name_of(query_id)}.log"]
     assert (
-        f"=== episode 1 of {query_id} (epoch 0), exit code 0"
+        f"=== episode 1 of {query_id} (epoch 0, attempt 0), exit code 0"
         in (folder / f"{name_of(query_id)}.log").read_text()
     )
 

@@ -1,13 +1,16 @@
 """Multi-turn episodes through a whole run: the rollout role runs a user's workflow or agent (tests/plugins),
-the trainer trains its per-turn samples, and every prompt is trained once (the ledger)."""
+the trainer trains its per-turn samples, and every prompt is trained once (the ledger); an agent that never
+works ends the run at once, saying why first."""
 
 from __future__ import annotations
 
 import pytest
 
-from areal_hpc.control import Ledger
+from areal_hpc.control import Ledger, get_status
 from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.launch.local import run_local
+from areal_hpc.launch.run_status import status_lines
+from areal_hpc.monitor import read_transcripts, transcript_steps
 from areal_hpc.monitor.stats import read_stats
 
 
@@ -53,6 +56,12 @@ def test_an_agent_written_against_the_openai_sdk_is_trained_as_it_is(plugins, to
     # The agents of one prompt in three never answer: their groups were dropped after 3 s each.
     check_hanging_prompts_dropped(run, rows, steps)
     assert not list(run.episodes.glob("epoch*/*/*.jsonl"))  # each group's journals went with it
+    # Transcripts of the first 2 groups of each step (rollout.transcript_groups), kept or dropped alike.
+    steps_kept = transcript_steps(run)
+    assert steps_kept and all(len(read_transcripts(run, s)) <= 2 * 2 for s in steps_kept)
+    episode = read_transcripts(run, steps_kept[0])[0]
+    assert len(episode["turns"]) >= 1 and episode["turns"][0]["messages"]  # what the agent sent
+    assert any(e["reward"] is not None for s in steps_kept for e in read_transcripts(run, s))
 
 
 def check_hanging_prompts_dropped(run, rows: list[dict], steps: int) -> None:
@@ -65,3 +74,33 @@ def check_hanging_prompts_dropped(run, rows: list[dict], steps: int) -> None:
     assert dropped and all(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in dropped)
     assert not any(int(i.rsplit("-", 1)[-1]) % 3 == 0 for i in trained)
     assert sum(r["rollout/dropped_groups"] for r in rows) == len(dropped)
+
+
+@pytest.mark.parametrize(
+    ("mode", "role", "why"),
+    [
+        ((), "controller", "step 1 has no group to train on: every group was dropped"),
+        (("async_rl=true", "max_head_offpolicyness=1", "n_rollout_workers=1"), "rollout",
+         "the first 4 groups of this attempt were all dropped"),
+    ],
+    ids=["synchronous", "asynchronous"],
+)  # fmt: skip
+def test_an_agent_that_never_returns_a_number_ends_the_run_at_once_with_that_cause_first(
+    plugins, toy, capsys, mode, role, why
+):
+    cfg = toy.config(
+        "no-reward", 1, *mode, "rollout.agent=agent_fns:returns_none", "recover_mode=auto", "recover_retries=2",
+        "logging.progress=false",
+    )  # fmt: skip
+    assert run_local(cfg) == 1
+    cause = (
+        f"RepeatedAgentError: {why}: 4 by rollout.agent returned None, not a number (the reward) (first at "
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(f"areal-hpc run: {role} aborted the run: {cause}")
+    assert "a new attempt would" in err.splitlines()[0] and "not restarted" in err
+    run = run_dir_of(cfg)
+    status = get_status(run)
+    assert status.permanent and status.reason.startswith(cause)
+    assert not run.attempt_logs(1).exists()  # not restarted, whatever recover_retries says
+    assert f"run: ABORTED ({role}: {cause}" in "\n".join(status_lines(run))

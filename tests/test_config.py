@@ -22,6 +22,7 @@ STANDALONE = {"toy-cpu.yaml", "toy-sft.yaml", "qwen3-1.7b-8gpu.yaml"}  # the oth
 BASES = {
     "toy-code.yaml": "toy-cpu.yaml",
     "toy-tools.yaml": "toy-cpu.yaml",
+    "toy-agent.yaml": "toy-cpu.yaml",  # over toy-tools.yaml too, as tests/test_tool_learning.py runs it
     "toy-tools-sft.yaml": "toy-cpu.yaml",
 }  # the base of a layer, when not qwen3-1.7b-8gpu.yaml
 

@@ -21,8 +21,19 @@ from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient
 from areal_hpc.gen.episode import EpisodeContext, Services
-from areal_hpc.gen.episodes import Episodes, GroupTimeout, episode_stats, episodes_step, run_group
-from areal_hpc.gen.rollout import pack_episodes
+from areal_hpc.gen.episodes import (
+    AgentFailed,
+    Episodes,
+    FirstGroups,
+    GroupTimeout,
+    RepeatedAgentError,
+    episode_groups,
+    episode_stats,
+    episodes_step,
+    run_group,
+)
+from areal_hpc.gen.rollout import StepRollout, pack_episodes
+from areal_hpc.master.sources import no_group_error
 from tests.helpers import REPO_ROOT as REPO
 
 RECORD = PromptSample("q1", "What is 47 * 38?", (1, 2, 3), "math", ("\\boxed{1786}",))
@@ -223,7 +234,7 @@ def test_a_synchronous_step_writes_the_groups_that_ended_and_names_those_dropped
     )  # fmt: skip
     episodes = Episodes(cfg, services(tiny_tokenizer))
     prompts = [replace(RECORD, query_id=q) for q in ("q1", "q2", "q3")]
-    path, stats, kept, dropped = episodes_step(
+    path, stats, kept, dropped, _ = episodes_step(
         [client], episodes, prompts, cfg, tmp_path / "step.h5", epoch=0
     )
     assert (kept, dropped) == ([("q1", 0), ("q3", 0)], [("q2", 0, "timeout")]) and stats[
@@ -232,3 +243,105 @@ def test_a_synchronous_step_writes_the_groups_that_ended_and_names_those_dropped
     arrays = read_batch(path)
     assert arrays["group_ids"].tolist() == [0, 0, 1, 1]  # concat: one row per episode, two episodes a group
     assert stats["rollout/turns_per_episode"] == 2 and stats["rollout/tool_calls_per_episode"] == 0
+
+
+@pytest.fixture
+def agent_episodes(plugins, tiny_tokenizer):
+    """agent_episodes(agent, *overrides): the toy's config with tests/plugins/agent_fns.py's ``agent`` as
+    rollout.agent, and its Episodes (their endpoints shut at teardown)."""
+    made = []
+
+    def make(agent: str, *overrides: str) -> tuple:
+        cfg = load_config([REPO / "configs/toy-cpu.yaml"], [f"rollout.agent=agent_fns:{agent}", *overrides])
+        made.append(Episodes(cfg, services(tiny_tokenizer)))
+        return cfg, made[-1]
+
+    yield make
+    for episodes in made:
+        episodes.close()
+
+
+def test_agent_concurrency_bounds_the_agents_running_at_once_and_an_episode_s_time_runs_from_its_turn(
+    agent_episodes, client
+):
+    import agent_fns
+
+    agent_fns.CROWD.update(now=0, most=0)
+    _, episodes = agent_episodes(
+        "counts_its_crowd", "group_size=4", "rollout.agent_concurrency=2", "rollout.episode_timeout_secs=1.2"
+    )
+    start = time.monotonic()
+    groups, _ = episode_groups(
+        [client], episodes, [replace(RECORD, query_id=q) for q in ("q1", "q2")], epoch=0
+    )
+    # 8 calls of half a second, two at a time: 2 s in all, past the episodes' 1.2 s, which run from their turns.
+    assert time.monotonic() - start > 1.9
+    assert agent_fns.CROWD["most"] == 2 and episodes.slots.free == 2
+    assert [g.dropped for g in groups] == [None, None] and [g.rewards for g in groups] == [[1.0] * 4] * 2
+
+
+@pytest.mark.parametrize(
+    ("agent", "message"),
+    [
+        ("returns_text", "rollout.agent returned a str, not a number (the reward): '1.0'"),
+        ("returns_true", "rollout.agent returned a bool, not a number (the reward): True"),
+        ("returns_nan", "rollout.agent returned nan, not a finite number (the reward)"),
+        ("returns_none", "rollout.agent returned None, not a number (the reward)"),
+    ],
+)
+def test_a_reward_that_is_not_a_finite_number_is_the_agent_s_error(
+    agent_episodes, client, tmp_path, agent, message
+):
+    cfg, episodes = agent_episodes(agent, "group_size=2", "rollout.agent_concurrency=1")
+    rolled = episodes_step([client], episodes, [RECORD], cfg, tmp_path / "step.h5", epoch=0)
+    assert rolled.path is None and rolled.dropped == [("q1", 0, "agent_error")]  # the ledger's line
+    assert rolled.stats["rollout/dropped_groups"] == 1
+    ((query_id, epoch, error),) = rolled.given_up
+    assert (query_id, epoch, str(error)) == ("q1", 0, message)
+    assert episodes.slots.free == 1  # the turn came back, though the second episode was given up for it
+
+
+NONE = AgentFailed("rollout.agent returned None, not a number (the reward)")
+TIMEOUT = GroupTimeout(
+    "2 of 2 episodes still ran after 3 s", "an episode ran past rollout.episode_timeout_secs=3"
+)
+
+
+def test_a_step_whose_groups_the_agent_all_failed_alike_ends_the_run_and_says_so_first():
+    cfg = load_config([REPO / "configs/toy-cpu.yaml"])
+    raised = AgentFailed("rollout.agent raised KeyError: 'q2'", "rollout.agent raised KeyError")
+    alike = StepRollout(None, {}, [], [], (("q1", 0, NONE), ("q2", 0, NONE), ("q3", 0, NONE)))
+    error = no_group_error(4, cfg, alike)
+    assert isinstance(error, RepeatedAgentError) and str(error) == (
+        "step 5 has no group to train on: every group was dropped: 3 by rollout.agent returned None, not a number "
+        "(the reward) (first at prompt 'q1', epoch 0); a new attempt would draw the same prompts and fail alike"
+    )
+    # Another cause, or time, among them: a new attempt may fare better (it is restarted); the most first.
+    mixed = StepRollout(None, {}, [], [], (("q1", 0, TIMEOUT), ("q2", 0, raised), ("q3", 0, raised)))
+    error = no_group_error(4, cfg, mixed)
+    assert type(error) is RuntimeError and str(error) == (
+        "step 5 has no group to train on: every group was dropped: 2 by rollout.agent raised KeyError (first at "
+        "prompt 'q2', epoch 0: rollout.agent raised KeyError: 'q2'); 1 by an episode ran past "
+        "rollout.episode_timeout_secs=3 (first at prompt 'q1', epoch 0: 2 of 2 episodes still ran after 3 s)"
+    )
+
+
+def test_an_agent_that_fails_the_first_batch_of_groups_alike_ends_an_asynchronous_run():
+    first = FirstGroups(3)
+    first.ended("q1", 0, NONE)
+    first.ended("q2", 0, NONE)
+    with pytest.raises(
+        RepeatedAgentError, match=r"^the first 3 groups of this attempt were all dropped: 3 by "
+    ):
+        first.ended("q3", 0, NONE)
+    # A group kept, or dropped otherwise, among the first passes the test for good: the run goes on.
+    for other in (
+        None,
+        TIMEOUT,
+        AgentFailed("rollout.agent raised KeyError: 'x'", "rollout.agent raised KeyError"),
+    ):
+        first = FirstGroups(3)
+        first.ended("q1", 0, NONE)
+        first.ended("q2", 0, other)
+        for i in range(3, 9):
+            first.ended(f"q{i}", 0, NONE)

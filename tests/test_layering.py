@@ -101,7 +101,7 @@ def test_only_rundir_names_the_paths_of_a_run_directory():
     run = RunDir(Path("/run"))
     paths = [run.config, run.status, run.finished, run.progress, run.start_point, run.published_version]
     paths += [run.ledger, run.heartbeats, run.mailboxes, run.gen_servers, run.dist_init, run.rollouts]
-    paths += [run.checkpoints, run.stats, run.failed_attempts, run.jobs]
+    paths += [run.checkpoints, run.stats, run.failed_attempts, run.jobs, run.launcher]
     names = {p.name for p in paths}
     spelled = [
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}"

@@ -11,7 +11,9 @@ from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.control.rundir import create_run_dir
 from areal_hpc.monitor import StatsLog
-from areal_hpc.monitor.plots import FIGURES, plot_run
+from areal_hpc.monitor.plots import FIGURES, figures, plot_run
+
+TOOLS = ("calculator", "python")
 
 
 def ppo_step(step: int) -> dict:
@@ -40,6 +42,14 @@ def ppo_step(step: int) -> dict:
         "timeperf/weight_sync": 0.5,
         "timeperf/e2e": 17.0 + step,
         "eval/greedy_acc": 0.2 + 0.05 * step,
+    }
+    row |= {  # an agent's episodes
+        "rollout/turns_per_episode": 3.0 - 0.1 * step,
+        "rollout/breaks_per_episode": 0.1,
+        "rollout/tool_calls_per_episode": 1.5,
+        "rollout/tool_results_per_episode": 1.2,
+        "rollout/tool_errors_per_episode": 0.3,
+        **{f"rollout/tool_calls_per_episode/{name}": 0.5 for name in TOOLS},
     }
     return row
 
@@ -81,6 +91,19 @@ def test_a_ppo_run_gives_every_figure(tmp_path):
     for path in paths:
         assert_figure(path)
     assert not list((tmp_path / "plots").glob(".*"))  # no temporary file left behind
+
+
+def test_the_reward_figure_names_the_task_reward_and_the_scaled_one_and_episodes_get_turns_and_tools():
+    drawn = figures(ppo_run())
+    reward, tools = drawn["reward"], drawn["tools"]
+    assert [ax.get_ylabel() for ax in reward.axes] == ["task reward", "scaled reward (trained on)"]
+    assert legend(reward) == ["task reward", "scaled reward"]
+    assert legend(drawn["turns"]) == ["turns", "breaks"]
+    assert legend(tools) == ["tool calls", "tool results", "tool errors", *(f"calls of {n}" for n in TOOLS)]
+
+
+def legend(figure) -> list[str]:
+    return [text.get_text() for text in figure.axes[-1].get_legend().get_texts()]
 
 
 def test_a_run_without_evaluations_gives_no_eval_figure(tmp_path):

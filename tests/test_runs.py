@@ -1,5 +1,6 @@
 """`areal-hpc status | logs | list` find runs by directory, by experiment/trial, or by the run's own config,
-whose cluster.fileroot they search (a relative one from the working directory, as `areal-hpc run` made it)."""
+whose cluster.fileroot they search (a relative one from the working directory, as `areal-hpc run` made it);
+without one, under the default fileroot and the shipped configs' (the toys' runs/)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ def test_a_config_names_its_runs_under_its_own_fileroot(toy, tmp_path, monkeypat
     assert capsys.readouterr().out.startswith(f"run {first.root}\n")
     assert main(["logs", "toy-cpu/first", "--fileroot", "runs"]) == 1
     assert f"no role logs yet in {first.logs}" in capsys.readouterr().err
+
+
+def test_without_a_config_runs_are_found_where_shipped_configs_put_them(toy, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # nothing under ~/areal_hpc
+    assert main(["list"]) == 0
+    looked = capsys.readouterr().out
+    assert looked.startswith(f"no runs under {tmp_path}/home/areal_hpc/") and f"{tmp_path}/runs/" in looked
+    run = create_run_dir(toy.config("mine", 1, "cluster.fileroot=runs"))  # toy-cpu.yaml's fileroot
+    assert main(["list"]) == 0
+    assert capsys.readouterr().out == f"{run.root}  NOT STARTED  jobs local\n"
+    assert main(["status"]) == 0
+    assert capsys.readouterr().out.startswith(f"run {run.root}\n")
+    assert main(["stop", "toy-cpu/mine"]) == 1
+    assert f"{run.root} has no Slurm jobs, and no `areal-hpc run` runs it" in capsys.readouterr().err
 
 
 def test_a_run_that_is_not_there_is_named(toy, tmp_path, capsys):

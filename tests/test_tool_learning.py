@@ -1,6 +1,7 @@
 """The tiny model learns to use a tool: a warm-up on worked calculator conversations of a random operation
 (tools/make_toy_tool_data.py), then GRPO with the tool_loop workflow, the calculator run for real, raises the
-task reward (configs/toy-tools.yaml)."""
+task reward (configs/toy-tools.yaml); so does an agent written against the openai SDK, and the shipped one
+(configs/toy-agent.yaml) runs."""
 
 from __future__ import annotations
 
@@ -63,6 +64,20 @@ def test_an_agent_written_against_the_openai_sdk_learns_to_use_its_calculator(co
     grpo = load_config(CONFIGS, [*common, "trial_name=agent", f"actor.path={warmed_up}", *GRPO, *agent])
     assert run_local(grpo) == 0
     check_learned(read_stats(run_dir_of(grpo).stats))
+
+
+def test_the_shipped_agent_toy_runs_its_steps(common, tiny_build):
+    # configs/toy-agent.yaml as shipped, on small batches of the tiny model without its warm-up: it runs, the
+    # agent's chat calls become the episodes' turns (learning is the slow test's above).
+    toy_agent = load_config(
+        [*CONFIGS, REPO_ROOT / "configs" / "toy-agent.yaml"],
+        [*common, "trial_name=toy-agent", f"actor.path={tiny_build.model_dir}", "exp_ctrl.benchmark_steps=2",
+         "dataset.train_bs_n_seqs=4", "group_size=2", "logging.progress=false"],
+    )  # fmt: skip
+    assert run_local(toy_agent) == 0
+    rows = [r for r in read_stats(run_dir_of(toy_agent).stats) if "ppo_actor/n_seqs" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/turns_per_episode"] >= 1 and r["rollout/breaks_per_episode"] == 0 for r in rows)
 
 
 def check_learned(rows: list[dict]) -> None:

@@ -53,7 +53,13 @@ EXPOSED = (
 
 
 class AgentError(RuntimeError):
-    """The user's agent (a function or a program) failed its episode: its group is dropped (agent_error)."""
+    """The user's agent (a function or a program) failed its episode: its group is dropped (agent_error).
+    ``cause``: the message without what differs from one episode to the next (where its output is, the value
+    it returned), so that the same failure of many episodes is counted as one cause."""
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause or message
 
 
 def program_env(environ: Mapping[str, str], names: Sequence[str], own: dict[str, str]) -> dict[str, str]:

@@ -229,7 +229,7 @@ def agent_problems(cfg: ExperimentConfig) -> list[str]:
         named = " and ".join(f"'rollout.{key}'" for key in agents) + (" is" if len(agents) == 1 else " are")
         out.append(
             f"'rollout.workflow' is {rollout.workflow!r}, but {named} set: the agent replaces the workflow; "
-            "leave rollout.workflow unset"
+            "set rollout.workflow=single_turn (its default)"
         )
     if rollout.agent_command is not None:
         out += _command_problems(rollout.agent_command)

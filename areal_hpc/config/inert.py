@@ -151,14 +151,16 @@ RULES = (
         "a supervised warm-up (experiment_type: sft) runs no episodes",
     ),
     Rule(
-        ("rollout.export", "rollout.turn_discount", "rollout.episode_timeout_secs"),
+        ("rollout.export", "rollout.turn_discount", "rollout.episode_timeout_secs",
+         "rollout.transcript_groups"),
         ("rollout.workflow", "rollout.agent", "rollout.agent_command", "experiment_type"),
         lambda c: (c.rollout.workflow == "single_turn" and not _agent(c)) or not _rl(c),
         "it applies to multi-turn workflows and agents (rollout.workflow other than single_turn, rollout.agent, "
         "rollout.agent_command)",
     ),
     Rule(
-        ("rollout.agent_model",), ("rollout.agent", "rollout.agent_command", "experiment_type"),
+        ("rollout.agent_model", "rollout.agent_concurrency"),
+        ("rollout.agent", "rollout.agent_command", "experiment_type"),
         lambda c: not _agent(c) or not _rl(c),
         "it applies to agents trained as they are (rollout.agent, rollout.agent_command), in RL",
     ),

@@ -311,6 +311,14 @@ class RolloutConfig:
         "The model name the OpenAI endpoint serves to rollout.agent or rollout.agent_command; a request naming "
         "another model gets 404.",
     )
+    agent_concurrency: int | None = opt(
+        None,
+        "The most agent episodes (rollout.agent calls, rollout.agent_command programs) running at once in a "
+        "rollout process (the controller's in synchronous RL); the others wait for their turn, and an episode's "
+        "rollout.episode_timeout_secs runs from its turn. null: 4 programs per CPU the process may use "
+        "(os.sched_getaffinity), functions unlimited; 0: unlimited (docs/agents.md).",
+        ge=0,
+    )
     agent_output_bytes: int = opt(
         65536,
         "rollout.agent_command: the bytes of its stdout and of its stderr kept per episode (the rest is cut, "
@@ -330,6 +338,13 @@ class RolloutConfig:
         "best_effort: the programs then run as the run's user, and can read what it can read (the run's "
         "secret, other episodes' keys) and leave processes behind.",
         choices=("required", "best_effort"),
+    )
+    transcript_groups: int = opt(
+        2,
+        "Groups of each step whose episodes' transcripts are kept in logs/episodes/step-<N>.jsonl (messages, "
+        "tool calls, token counts, finish reasons, weight versions, reward), for `areal-hpc episodes`: the "
+        "first groups to finish. 0: none.",
+        ge=0,
     )
 
 

@@ -1,10 +1,12 @@
 """The run directory: every path of one run, named here and nowhere else (layout in docs/architecture.md).
 
     <fileroot>/<user>/<experiment>/<trial>/   (0700)
-      config.yaml  secret  status.json  FINISHED  progress.json  start.json  version.json  ledger.jsonl
+      config.yaml  secret  status.json  FINISHED  launcher.json  progress.json  start.json  version.json
+      ledger.jsonl
       heartbeat/<role>.json  mailbox/<worker>/  gen_servers/<i>.json (+ <i>.dist_init.json)  dist_init.json
       data/step<N>/  rollouts/ (+ dropped/)  weights/v<N>/  checkpoints/<role>/<name>/  recover/step<N>/
-      logs/attempt<N>/<role>.log  logs/stats.jsonl  logs/failed_attempts  slurm/ (scripts, jobs.json)
+      logs/attempt<N>/<role>.log  logs/stats.jsonl  logs/episodes/step-<N>.jsonl  logs/failed_attempts
+      slurm/ (scripts, jobs.json)
 
 Every stage takes a `RunDir`; creating one is `create_run_dir`'s job (the launchers'), roles only use it.
 """
@@ -58,6 +60,12 @@ class RunDir:
     def finished(self) -> Path:
         """Present once the run completed: job scripts test it, and a finished run never starts again."""
         return self.root / "FINISHED"
+
+    @property
+    def launcher(self) -> Path:
+        """The `areal-hpc run` process of a local run while it runs it (launch.processes.identity), which
+        `areal-hpc stop` signals."""
+        return self.root / "launcher.json"
 
     @property
     def progress(self) -> Path:
@@ -201,6 +209,15 @@ class RunDir:
     def agent_logs(self) -> Path:
         """The stdout and stderr of each episode's agent program (rollout.agent_command)."""
         return self.logs / "agents"
+
+    @property
+    def transcripts(self) -> Path:
+        """The transcripts of a sample of each step's episodes (rollout.transcript_groups)."""
+        return self.logs / "episodes"
+
+    def transcript(self, step: int) -> Path:
+        """The transcripts of step `step`: a JSON line per episode."""
+        return self.transcripts / f"step-{step:06d}.jsonl"
 
     @property
     def failed_attempts(self) -> Path:

@@ -14,18 +14,27 @@ it runs in mount and PID namespaces of its own (agent.programs), where no other 
 at its exit or when the episode is given up (rollout.episode_timeout_secs, or the role stops); as root, as a uid
 of its own. rollout.agent_isolation=best_effort runs it without the namespaces where the node has none.
 
-An agent that fails (its function raises, its program exits non-zero or prints no reward) fails its episode:
-the group is dropped, logged and counted (reason agent_error), and the run goes on.
+An agent that fails (its function raises or returns no finite number, its program exits non-zero or prints
+none last) fails its episode: the group is dropped, logged and counted (reason agent_error), and the run goes on.
+A reward is never coerced: a string, a bool, NaN or inf is the agent's error.
+
+At most rollout.agent_concurrency episodes of a rollout process run their agent at once (Slots, agent_slots):
+an episode waits for its turn before its function is called or its program started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
+import numbers
 import os
 import shlex
 import signal
-from collections.abc import Callable, Sequence
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -36,6 +45,7 @@ from areal_hpc.gen.endpoint import Endpoint
 
 READ_BYTES = 65536
 GRACE_SECS = 1.0  # for a program's output to drain once it exited
+PROGRAMS_PER_CPU = 4  # rollout.agent_concurrency's default for programs (agent_slots says why)
 
 
 def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
@@ -48,10 +58,11 @@ def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:
-            raise _failure(ctx, f"rollout.agent raised {type(exc).__name__}: {exc}") from exc
+            cause = f"rollout.agent raised {type(exc).__name__}"
+            raise _failure(ctx, f"{cause}: {exc}", cause) from exc
         finally:
             endpoint.close(key)
-        return _reward(reward, "rollout.agent returned")
+        return _returned_reward(reward)
 
     return workflow
 
@@ -65,9 +76,11 @@ def command_agent(
     env_names: Sequence[str] = (),
     hidden: Sequence[Path] = (),
     isolation: str = "required",
+    attempt: int = 0,
 ) -> Callable:
     """The workflow of rollout.agent_command; its output goes to ``logs``/epoch<E>/<name_of(prompt)>.log, a block
-    per episode (one file per group, not two per episode: shared file systems suffer millions of small files).
+    per episode (one file per group, not two per episode: shared file systems suffer millions of small files),
+    whose header names the run's ``attempt`` (a restart appends to the same files).
     ``env_names``: rollout.agent_env; ``hidden``: what the program must not see (the run directory);
     ``isolation``: rollout.agent_isolation (AgentIsolationError where required and the node cannot isolate)."""
     jail = ProgramJail(shlex.split(command), hidden, isolation)
@@ -87,17 +100,84 @@ def command_agent(
                 )
         finally:
             endpoint.close(key)
-            head = f"=== episode {ctx.index} of {record.query_id} (epoch {ctx.epoch}), exit code {proc and proc.returncode}"
+            head = (f"=== episode {ctx.index} of {record.query_id} (epoch {ctx.epoch}, attempt {attempt}), "
+                    f"exit code {proc and proc.returncode}")  # fmt: skip
             _append(where, b"".join([f"{head}: stdout\n".encode(), out.kept(), f"\n{head}: stderr\n".encode(),
                                      err.kept(), b"\n"]))  # fmt: skip
         if proc.returncode != 0:
-            raise _failure(ctx, f"rollout.agent_command exited with {proc.returncode} (its output: {where})")
-        lines = out.tail.decode(errors="replace").strip().splitlines()
-        return _reward(
-            lines[-1] if lines else "", f"the last line of rollout.agent_command's stdout ({where})"
-        )
+            cause = f"rollout.agent_command exited with {proc.returncode}"
+            raise _failure(ctx, f"{cause} (its output: {where})", cause)
+        return _printed_reward(out.tail, where)
 
     return workflow
+
+
+def agent_slots(concurrency: int | None, programs: bool) -> Slots | None:
+    """The turns of rollout.agent_concurrency in this process (None: no limit). Its default (null) is
+    PROGRAMS_PER_CPU programs per CPU this process may run on (os.sched_getaffinity: Slurm's allocation, a
+    container's cpuset): a program's start (an interpreter, its imports) takes a CPU for about a second and it
+    then mostly waits on the model, so a few per CPU keep the CPUs and the servers busy, where hundreds at once
+    start so slowly that every group runs out of time. Functions have no limit by default: they share the
+    rollout's interpreter (one CPU's worth), and their cost is their requests, which the servers admit."""
+    if concurrency is None:
+        concurrency = PROGRAMS_PER_CPU * len(os.sched_getaffinity(0)) if programs else 0
+    return Slots(concurrency) if concurrency else None
+
+
+class Slots:
+    """At most ``n`` holders at once, over the event loops of every thread of the process (a group's episodes run
+    in a loop of its own), served first come, first served.
+
+        async with slots.turn():   # waits while n others hold one
+            ...
+    """
+
+    def __init__(self, n: int):
+        self.free = n
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        await self._take()
+        try:
+            yield
+        finally:
+            self._give()
+
+    async def _take(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self.free and not self._queue:
+                self.free -= 1
+                return
+            waiter = (loop, loop.create_future())
+            self._queue.append(waiter)
+        try:
+            await waiter[1]
+        except asyncio.CancelledError:  # given up while it waited: a turn handed to it meanwhile goes on
+            with self._lock:
+                handed = waiter not in self._queue
+                if not handed:
+                    self._queue.remove(waiter)
+            if handed:
+                self._give()
+            raise
+
+    def _give(self) -> None:
+        """The turn goes to the first waiter (woken in its loop), or back to the free ones."""
+        with self._lock:
+            if not self._queue:
+                self.free += 1
+                return
+            loop, future = self._queue.popleft()
+        with suppress(RuntimeError):  # its loop closed: it was given up, and handed the turn on itself
+            loop.call_soon_threadsafe(_wake, future)
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():  # not given up meanwhile
+        future.set_result(None)
 
 
 async def _converse(
@@ -166,21 +246,44 @@ async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
         stdin.close()
 
 
-def _failure(ctx, message: str) -> Exception:
+def _failure(ctx, message: str, cause: str) -> Exception:
     """What an agent's failure is: the agent's own (AgentError: its group is dropped), or, when the endpoint
     could not serve it (a server failed, the role stops), that cause, which the rollout handles as it handles any
     workflow's: the group is not dropped and its journals stay for a resume."""
     stop = ctx.services.stop
     if stop is not None and stop.is_set():
         return GenerationStopped(f"the role stops: {message}")
-    return ctx.failure or AgentError(message)
+    return ctx.failure or AgentError(message, cause)
 
 
-def _reward(value, what: str) -> float:
+def _returned_reward(value) -> float:
+    """A function's reward: a finite number. None, a string, a bool, NaN or inf is its error, never coerced (a
+    string or a bool would be read as a number, NaN would reach the advantages)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if math.isfinite(value):
+            return float(value)
+        raise AgentError(f"rollout.agent returned {float(value)}, not a finite number (the reward)")
+    shown = "None" if value is None else f"a {type(value).__name__}"
+    cause = f"rollout.agent returned {shown}, not a number (the reward)"
+    raise AgentError(cause if value is None else f"{cause}: {value!r:.80}", cause)
+
+
+def _printed_reward(tail: bytes, where: Path) -> float:
+    """A program's reward: the last line of its stdout (``tail``), a finite number; text, NaN or inf is its
+    error."""
+    lines = tail.decode(errors="replace").strip().splitlines()
+    last = lines[-1].strip() if lines else ""
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise AgentError(f"{what} {str(value)[:80]!r}, not a number (the reward)") from None
+        reward = float(last)
+    except ValueError:
+        reward = math.nan
+    if math.isfinite(reward):
+        return reward
+    if not last:
+        cause = "rollout.agent_command printed nothing (the last line of its stdout is the reward)"
+        raise AgentError(f"{cause} (its output: {where})", cause)
+    cause = "the last line of rollout.agent_command's stdout is not a finite number (the reward)"
+    raise AgentError(f"{cause}: {last!r:.80} (its output: {where})", cause)
 
 
 def record_fields(record) -> dict:

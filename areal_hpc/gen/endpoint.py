@@ -13,7 +13,8 @@ Each episode gets a key of its own for as long as it runs (``open``/``close``); 
 the role. A call is served token in, token out through the episode's context (gen.episode): a chat whose
 messages extend the conversation so far appends only the new messages' tokens to the sampled ids; one that does
 not starts a new sample of the episode (a break). A completion whose prompt text extends the last prompt and
-completion appends only the new text's tokens. The calls of one episode are served one at a time.
+completion appends only the new text's tokens. The calls of one episode are served one at a time. The tool
+calls of the replies and the tool results the agent sends back are counted for its episode (agent.ToolUse).
 
 Agents are hostile until checked (docs/agents.md, "What an agent can send"): the key is checked before the body
 is read; a body must say its length (or come chunked) within a bound set by the model's context; text that
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from areal_hpc.agent import bounds
+from areal_hpc.agent import ToolUse, bounds
 from areal_hpc.agent import openai_api as api
 from areal_hpc.gen.client import GenServerError
 from areal_hpc.gen.episode import EpisodeCancelled, EpisodeContext, InvalidRequest
@@ -58,6 +59,7 @@ WRITE_SECS = 60.0  # a client that does not take its answer
 # A server's refusal of what it was asked (a 4xx other than its key's) is the request's fault, not the servers'.
 REFUSED_BY_SERVER = (400, 413, 422)
 _LENGTH = re.compile(r"[0-9]{1,15}")
+HTTP_LOGGERS = ("httpx", "httpcore", "httpx2", "httpcore2")  # the HTTP clients of function agents
 
 
 @dataclass
@@ -68,6 +70,10 @@ class Session:
     loop: asyncio.AbstractEventLoop
     lock: threading.Lock = field(default_factory=threading.Lock)
     completion: tuple[str, list[int]] | None = None  # the last completion's prompt + text and their ids
+    tools: ToolUse = field(init=False)
+
+    def __post_init__(self):
+        self.tools = ToolUse(self.ctx.counts)
 
     @property
     def context(self) -> int | None:
@@ -93,6 +99,7 @@ class Endpoint:
     ):
         self.model = model
         self.created = int(time.time())
+        quiet_http_logs()
         self._sessions: dict[str, Session] = {}
         self._httpd = _Server((host, 0), _Handler, max_connections, read_secs)
         self._httpd.endpoint = self
@@ -155,9 +162,11 @@ class Endpoint:
     async def chat(self, session: Session, request: api.Request) -> tuple[dict, dict]:
         ctx = session.ctx
         sampling = _bounded(ctx, request.sampling)
+        answered = session.tools.answered(request.messages)
         reply = await ctx.chat(
             request.messages, request.tools, sampling, request.stop, parse_tools=request.parse_tools
         )
+        session.tools.served(answered, ctx.pending_calls, request.tools)
         turn = ctx.last_turn
         context = len(ctx.trajectories[-1].ids) - len(turn.ids)
         return reply, {"finish": turn.finish, "usage": api.usage(context, len(turn.ids))}
@@ -178,6 +187,14 @@ class Endpoint:
             (prompt + turn.text, ids + turn.ids) if isinstance(prompt, str) and whole == turn.text else None
         )
         return turn.text, {"finish": turn.finish, "usage": api.usage(len(ids), len(turn.ids))}
+
+
+def quiet_http_logs() -> None:
+    """The HTTP client of the openai SDK (httpx; httpx2 from openai 3) logs each request of a function agent at
+    INFO, a line per turn of every episode in the role's log: only at logging.level DEBUG; warnings always."""
+    verbose = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 def fits(session: Session, request: api.Request) -> None:

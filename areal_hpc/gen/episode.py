@@ -4,7 +4,8 @@ A workflow is `async def workflow(ctx, record) -> reward` (docs/agents.md). Ever
 `ctx.generate` (token in, token out) or `ctx.chat` (messages in, the assistant's reply out), and the context
 records it in a trajectory (agent.trajectory): context ids with loss mask 0, sampled ids with their behaviour
 logprobs and the weight version of each. A generation on ids that extend the trajectory continues it; any other
-starts a new trajectory of the episode (a "break", counted), as AReaL's individual export does.
+starts a new trajectory of the episode (a "break", counted), as AReaL's individual export does. Where the run
+keeps transcripts (Services.transcripts), it also records each turn as its caller saw it (gen.transcript).
 
 Requests are blocking HTTP calls (gen.client), run in threads so that the episodes of a group (and their tool
 calls) proceed side by side. A generation interrupted by a weight update is continued with the tokens it has
@@ -33,12 +34,15 @@ from areal_hpc.agent import (
     ToolCall,
     Trajectory,
     content_of,
+    count_by_name,
     drifts,
     parse_tool_calls,
     to_openai,
 )
 from areal_hpc.gen.journal import Entry, Journal, Journals, request_key
 from areal_hpc.gen.partial import PartialAnswer, answers_of, finish
+from areal_hpc.gen.transcript import Transcript
+from areal_hpc.monitor import TranscriptLog
 
 
 class EpisodeCancelled(RuntimeError):
@@ -82,6 +86,7 @@ class Services:
     max_context: int | None = None
     vocab_size: int | None = None  # the model's token ids are below it (None: the tokenizer's length)
     journals: Journals | None = None  # where episodes record their generations (None: nowhere, no resume)
+    transcripts: TranscriptLog | None = None  # where a sample of them is kept (None: nowhere, none recorded)
 
 
 class EpisodeContext:
@@ -118,6 +123,7 @@ class EpisodeContext:
         self._calls: list = []  # the tool calls of the last reply
         # Why a call of the episode's agent failed when the agent is not to blame (set by gen.endpoint).
         self.failure: Exception | None = None
+        self.transcript = Transcript() if services.transcripts else None  # its turns as the caller saw them
 
     # --- token in, token out ------------------------------------------------------------------------------
 
@@ -133,17 +139,20 @@ class EpisodeContext:
             self.counts["breaks"] += traj is not None
             traj = Trajectory(routing_per_turn=self.options.export == "per_turn")
             self.trajectories.append(traj)
-        traj.add_context(ids[len(traj.ids) :])
+        context = ids[len(traj.ids) :]
+        traj.add_context(context)
         params = self._turn_params(sampling)
         limit = self.max_context
         room = limit - len(ids) - 1 if limit else params["max_new_tokens"]
         if room < 1:  # the conversation fills the servers' context: the episode can only end here
             self.counts["context_full"] += 1
             self.last_turn = Generation([], [], [], "length", "")
+            self._transcribe(context, len(ids), False)
             return self.last_turn
         params["max_new_tokens"] = min(params["max_new_tokens"], room)
         key = request_key(ids, params, stop)
-        if (entry := self.journal.replay(key) if self.journal else None) is not None:
+        replayed = (entry := self.journal.replay(key) if self.journal else None) is not None
+        if replayed:
             turn = Generation(entry.ids, entry.logprobs, entry.versions, entry.finish, "", entry.routing)
             self.counts["replayed_turns"] += 1
         else:
@@ -156,7 +165,12 @@ class EpisodeContext:
         self.counts["drifted_turns"] += drifts(self.tokenizer, turn.ids)
         text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
         self.last_turn = replace(turn, text=cut_text(text, stop))
+        self._transcribe(context, len(ids), replayed)
         return self.last_turn
+
+    def _transcribe(self, context: list[int], prompt_tokens: int, replayed: bool) -> None:
+        if self.transcript is not None:
+            self.transcript.generated(context, prompt_tokens, self.last_turn, replayed)
 
     def _checked(self, ids: Sequence[int]) -> list[int]:
         """``ids`` as a list, each a token of the model's vocabulary (InvalidRequest names the first that is not)."""
@@ -238,6 +252,8 @@ class EpisodeContext:
         if calls := to_openai(self._calls):
             reply["tool_calls"] = calls
         self._chat = (renderer, [*messages, reply])
+        if self.transcript is not None:
+            self.transcript.chatted(messages, tools, reply, self._calls)
         return reply
 
     def _render(self, messages: list[dict], tools: Sequence[dict] | None) -> tuple[ChatRenderer, list[int]]:
@@ -291,6 +307,7 @@ class EpisodeContext:
             result = await asyncio.to_thread(toolbox.run, call, self.session)
             self.counts["tool_calls"] += 1
             self.counts["tool_errors"] += result.error
+            count_by_name(self.counts, "tool_calls", call.name if call.name in toolbox.tools else None)
             self.tool_secs += result.secs
             messages.append(
                 {

@@ -1,16 +1,22 @@
 """A prompt's group of episodes: group_size runs of the workflow side by side, exported as training samples.
 
 Every episode of a group runs on one server (its prefix cache serves them all) under one staleness slot: the
-group is what the generation manager admits, as a single-turn group is. A group whose episodes do not all end
-within rollout.episode_timeout_secs is given up (its requests aborted) and dropped: the caller counts it and
-records its prompt as used, and no wait of the run hangs on it.
+group is what the generation manager admits, as a single-turn group is. A group with an episode that does not
+end within rollout.episode_timeout_secs is given up (its requests aborted) and dropped: the caller counts it and
+records its prompt as used, and no wait of the run hangs on it. An agent's episode waits for its turn
+(rollout.agent_concurrency) first; its time runs from its turn.
+
+An agent that fails the same way on every group a step draws, or on the first batch of groups of an attempt of
+asynchronous RL, would fail alike in a new attempt: RepeatedAgentError ends the run (docs/agents.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,11 +27,11 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoConfig
 
-from areal_hpc.agent import AgentError, Sample, Toolbox, export, load_tools, workflows
-from areal_hpc.config import ExperimentConfig, extensions, gen_backend
+from areal_hpc.agent import AgentError, Sample, Toolbox, export, load_tools, tool_stats, workflows
+from areal_hpc.config import ExperimentConfig, InputError, extensions, gen_backend
 from areal_hpc.control import RunDir
 from areal_hpc.data import write_batch
-from areal_hpc.gen.agents import command_agent, function_agent
+from areal_hpc.gen.agents import Slots, agent_slots, command_agent, function_agent
 from areal_hpc.gen.endpoint import Endpoint
 from areal_hpc.gen.episode import EpisodeContext, Services
 from areal_hpc.gen.rollout import (
@@ -37,6 +43,8 @@ from areal_hpc.gen.rollout import (
     pack_episodes,
     step_rollout,
 )
+from areal_hpc.gen.transcript import keep_group
+from areal_hpc.recover import current_attempt
 
 logger = logging.getLogger("rollout")
 PER_EPISODE = (
@@ -55,10 +63,21 @@ PER_EPISODE = (
 EPISODE_COUNTS = (*PER_EPISODE, "tokens", "sampled_tokens")  # what a group's file records of its episodes
 
 
+def kept_count(name: str) -> bool:
+    """Whether a group's file records its episodes' count ``name``: EPISODE_COUNTS, an agent's tool results
+    and the per-tool-name counts (agent.tool_use)."""
+    return name in EPISODE_COUNTS or name == "tool_results" or "/" in name
+
+
 class GroupDropped(RuntimeError):
-    """A group's episodes were given up; ``reason`` goes with its drop marker and its line in the ledger."""
+    """A group's episodes were given up; ``reason`` goes with its drop marker and its line in the ledger.
+    ``cause``: the message without what differs from group to group, by which drops are counted."""
 
     reason = "dropped"
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause or message
 
 
 class GroupTimeout(GroupDropped):
@@ -74,6 +93,59 @@ class AgentFailed(GroupDropped):
 
 
 GIVEN_UP = (GroupTimeout.reason, AgentFailed.reason)  # the drops rollout/dropped_groups counts
+
+
+class RepeatedAgentError(InputError):
+    """The agent failed the same way on every group it was given: a new attempt would too, so the run ends
+    without one (an InputError: the agent is an input the config names)."""
+
+
+def repeats(drops: Sequence[tuple[str, int, GroupDropped]]) -> bool:
+    """Whether every group of ``drops`` (query id, epoch, why) was dropped for the agent's error of one cause."""
+    causes = {error.cause for _, _, error in drops}
+    return bool(drops) and len(causes) == 1 and all(isinstance(e, AgentFailed) for _, _, e in drops)
+
+
+def by_cause(drops: Sequence[tuple[str, int, GroupDropped]]) -> str:
+    """The groups ``drops`` (query id, epoch, why), counted by cause, the most first, each with the first group
+    it dropped (and that group's message where it says more): `4 by rollout.agent returned None, not a number
+    (the reward) (first at prompt 'q1', epoch 0)`. The cause stays on top of what followed from it."""
+    causes: dict[str, list] = {}
+    for drop in drops:
+        causes.setdefault(drop[2].cause, []).append(drop)
+    parts = []
+    for cause, same in sorted(causes.items(), key=lambda item: -len(item[1])):
+        query_id, epoch, error = same[0]
+        more = f": {error}" if str(error) != cause else ""
+        parts.append(f"{len(same)} by {cause} (first at prompt {query_id!r}, epoch {epoch}{more})")
+    return "; ".join(parts)
+
+
+class FirstGroups:
+    """Asynchronous RL's test of an agent that never works: when the first ``n`` groups (a batch) of this attempt
+    to end were all dropped for the agent's error of one cause, RepeatedAgentError. Any other end among them (a
+    group kept or filtered, or given up otherwise) passes the test for good: the agent works on some prompts, or
+    the drops have another cause, and the run goes on (dropping those groups) as before."""
+
+    def __init__(self, n: int):
+        self.n, self.drops, self.decided = n, [], False
+        self._lock = threading.Lock()
+
+    def ended(self, query_id: str, epoch: int, dropped: GroupDropped | None = None) -> None:
+        """A group ended: kept or filtered, or given up (``dropped``)."""
+        with self._lock:
+            if self.decided:
+                return
+            if dropped is not None:
+                self.drops.append((query_id, epoch, dropped))
+            alike = dropped is not None and repeats(self.drops)
+            self.decided = not alike or len(self.drops) == self.n
+            if not (alike and self.decided):
+                return
+        raise RepeatedAgentError(
+            f"the first {self.n} groups of this attempt were all dropped: {by_cause(self.drops)}: the agent has "
+            "not worked once, and a new attempt would fail alike"
+        )
 
 
 @dataclass
@@ -126,12 +198,15 @@ class Episodes:
         (the run directory, its secret)."""
         self.cfg, self.services = cfg, services
         r = cfg.rollout
-        self.endpoint = Endpoint(r.agent_model) if r.agent or r.agent_command else None
+        agent = bool(r.agent or r.agent_command)
+        self.endpoint = Endpoint(r.agent_model) if agent else None
+        self.slots = agent_slots(r.agent_concurrency, programs=bool(r.agent_command)) if agent else None
         if r.agent:
             self.workflow = function_agent(extensions.load("rollout.agent", r.agent), self.endpoint)
         elif r.agent_command:
             self.workflow = command_agent(r.agent_command, self.endpoint, run.agent_logs, r.agent_output_bytes,
-                                          env_names=r.agent_env, hidden=[run.root], isolation=r.agent_isolation)  # fmt: skip
+                                          env_names=r.agent_env, hidden=[run.root], isolation=r.agent_isolation,
+                                          attempt=current_attempt())  # fmt: skip
         else:
             self.workflow = extensions.load("rollout.workflow", r.workflow)
 
@@ -146,9 +221,9 @@ class Episodes:
 
     def group(self, client, record, epoch: int) -> GroupResult:
         params = group_params(self.cfg, record.query_id, epoch)
-        timeout = self.cfg.rollout.episode_timeout_secs
+        timeout, size = self.cfg.rollout.episode_timeout_secs, self.cfg.group_size
         return run_group(
-            self.services, self.workflow, client, record, params, self.cfg.group_size, timeout, epoch
+            self.services, self.workflow, client, record, params, size, timeout, epoch, self.slots
         )
 
 
@@ -161,9 +236,11 @@ def run_group(
     group_size: int,
     timeout: float,
     epoch: int = 0,
+    slots: Slots | None = None,
 ) -> GroupResult:
-    """Run the group's episodes (a new event loop in the calling thread); GroupTimeout past ``timeout``. With
-    journals, an episode the prompt of ``epoch`` ran before a restart resumes at its last recorded turn."""
+    """Run the group's episodes (a new event loop in the calling thread), each in its turn of ``slots`` (all at
+    once without); GroupTimeout when one runs past ``timeout`` from its turn. With journals, an episode the
+    prompt of ``epoch`` ran before a restart resumes at its last recorded turn."""
     start = time.monotonic()
     journals = services.journals
     contexts = [
@@ -178,7 +255,14 @@ def run_group(
         )
         for i in range(group_size)
     ]
-    rewards = asyncio.run(_episodes(workflow, contexts, record, timeout))
+    try:
+        rewards = asyncio.run(_episodes(workflow, contexts, record, timeout, slots))
+    except Exception:
+        if services.transcripts:  # a failing agent's episodes are the ones its user wants to read
+            keep_group(services.transcripts, contexts, [None] * group_size)
+        raise
+    if services.transcripts:
+        keep_group(services.transcripts, contexts, rewards)
     options = services.options
     result = GroupResult([], [], secs=time.monotonic() - start)
     for ctx, reward in zip(contexts, rewards, strict=True):
@@ -191,26 +275,47 @@ def run_group(
     return result
 
 
-async def _episodes(workflow: Callable, contexts: list[EpisodeContext], record, timeout: float) -> list:
+class _OutOfTime(Exception):
+    """An episode ran past its time."""
+
+
+async def _episodes(
+    workflow: Callable, contexts: list[EpisodeContext], record, timeout: float, slots: Slots | None
+) -> list:
     # Each episode waits on one blocking call at a time (a request, a tool): a thread each, and as many again
     # for workflows that gather calls. asyncio's default pool (CPUs + 4) would queue a group's turns.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * len(contexts)))
-    tasks = [asyncio.ensure_future(workflow(ctx, record)) for ctx in contexts]
-    done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+    tasks = [asyncio.ensure_future(_episode(workflow, ctx, record, timeout, slots)) for ctx in contexts]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
-    if pending:  # out of time, or an episode failed: the others are given up
+    if pending:  # an episode failed or ran out of time: the others are given up
         for ctx in contexts:
             ctx.cancel()  # aborts their requests, so that their threads end now
         for task in pending:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if not errors:
-            raise GroupTimeout(f"{len(pending)} of {len(tasks)} episodes still ran after {timeout:g} s")
     if failed := [e for e in errors if isinstance(e, AgentError)]:
-        raise AgentFailed(str(failed[0])) from failed[0]
+        raise AgentFailed(str(failed[0]), failed[0].cause) from failed[0]
+    if bugs := [e for e in errors if not isinstance(e, _OutOfTime)]:
+        raise bugs[0]  # a workflow's own error fails the rollout: it is a bug to see
     if errors:
-        raise errors[0]  # a workflow's own error fails the rollout: it is a bug to see
+        running = len(errors) + len(pending)
+        raise GroupTimeout(f"{running} of {len(tasks)} episodes still ran after {timeout:g} s",
+                           f"an episode ran past rollout.episode_timeout_secs={timeout:g}")  # fmt: skip
     return [task.result() for task in tasks]
+
+
+async def _episode(workflow: Callable, ctx: EpisodeContext, record, timeout: float, slots: Slots | None):
+    """One episode in its turn: its time runs from there, so that waiting for a turn drops no group."""
+    async with slots.turn() if slots else contextlib.nullcontext():
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                return await workflow(ctx, record)
+        except TimeoutError:
+            if deadline.expired():
+                raise _OutOfTime() from None
+            raise
 
 
 def episode_stats(counts: Counter, episodes: int, n_dropped: int = 0) -> dict[str, float]:
@@ -221,6 +326,7 @@ def episode_stats(counts: Counter, episodes: int, n_dropped: int = 0) -> dict[st
     stats["rollout/tool_error_ratio"] = counts["tool_errors"] / max(counts["tool_calls"], 1)
     stats["rollout/drifted_turn_ratio"] = counts["drifted_turns"] / turns
     stats["rollout/masked_token_share"] = 1 - counts["sampled_tokens"] / max(counts["tokens"], 1)
+    stats |= tool_stats(counts, episodes)  # per tool name, and the results an agent sent back
     stats["rollout/dropped_groups"] = float(n_dropped)
     stats["rollout/replayed_turns"] = float(
         counts["replayed_turns"]
@@ -239,7 +345,7 @@ def episode_groups(
             result = episodes.group(clients[i % len(clients)], prompts[i], epoch)
         except GroupDropped as exc:
             logger.warning("group of prompt %s dropped (%s): %s", prompts[i].query_id, exc.reason, exc)
-            return Group(prompts[i], epoch, [], dropped=exc.reason)
+            return Group(prompts[i], epoch, [], dropped=exc.reason, error=exc)
         return Group(prompts[i], epoch, result.rewards, result)
 
     start = time.monotonic()

@@ -172,6 +172,7 @@ class Group:
     rewards: Sequence[float]  # the task reward (success) of each answer or episode
     result: object = None  # what packs it: its answers (single-turn), its GroupResult (multi-turn)
     dropped: str | None = None  # why it is not trained on (timeout, agent_error, equal_rewards, surplus)
+    error: Exception | None = None  # a group given up: why (gen.episodes.GroupDropped)
 
 
 @dataclass(frozen=True)
@@ -185,12 +186,14 @@ class Filled:
 
 class StepRollout(NamedTuple):
     """What a synchronous step rolled out: its batch file (None when no group was kept), its statistics, and
-    (query id, epoch) of the groups in the file, in file order, and (query id, epoch, why) of those dropped."""
+    (query id, epoch) of the groups in the file, in file order, (query id, epoch, why) of those dropped, and
+    (query id, epoch, error) of those given up (episodes' time, agents' errors)."""
 
     path: Path | None
     stats: dict[str, float]
     kept: list[tuple[str, int]]
     dropped: list[tuple[str, int, str]]
+    given_up: tuple[tuple[str, int, Exception], ...] = ()
 
 
 def equal_rewards(rewards: Sequence[float]) -> bool:
@@ -267,7 +270,9 @@ def dynamic_stats(filled: Filled, n: int, cfg: ExperimentConfig) -> dict[str, fl
 def step_rollout(path: Path | None, stats: dict[str, float], filled: Filled) -> StepRollout:
     """The StepRollout of a step's groups."""
     used = [(g.prompt.query_id, g.epoch) for g in filled.kept]
-    return StepRollout(path, stats, used, [(g.prompt.query_id, g.epoch, g.dropped) for g in filled.dropped])
+    dropped = [(g.prompt.query_id, g.epoch, g.dropped) for g in filled.dropped]
+    given_up = tuple((g.prompt.query_id, g.epoch, g.error) for g in filled.dropped if g.error)
+    return StepRollout(path, stats, used, dropped, given_up)
 
 
 def answer_groups(

@@ -21,10 +21,11 @@ from areal_hpc.control import (
 )
 from areal_hpc.data import RolloutStore, run_steps, training_prompts
 from areal_hpc.gen import discovery
-from areal_hpc.gen.episodes import Episodes, is_single_turn, make_services
+from areal_hpc.gen.episodes import Episodes, FirstGroups, is_single_turn, make_services
 from areal_hpc.gen.journal import Journals
 from areal_hpc.gen.manager import GenerationManager, ManagerState
 from areal_hpc.gen.rollout_worker import RolloutContext, RolloutWorker, used_prompts
+from areal_hpc.monitor import TranscriptLog
 from areal_hpc.reward import TaskRewards
 
 logger = logging.getLogger("rollout")
@@ -57,10 +58,11 @@ def run(ctx: RunContext) -> None:
         shared = RolloutContext(cfg, train, clients, rewards, manager, store, tokenizer, stop, done)
         if not is_single_turn(cfg):
             version_now = None if cfg.interruptible_generation else (lambda: manager.version)
-            services = make_services(
-                cfg, tokenizer, rewards, version_now=version_now, stop=stop, journals=journals
-            )
+            groups = cfg.rollout.transcript_groups
+            services = make_services(cfg, tokenizer, rewards, version_now=version_now, stop=stop, journals=journals,
+                                     transcripts=TranscriptLog(ctx.run, groups) if groups else None)  # fmt: skip
             shared.episodes = Episodes(cfg, services, ctx.run)
+            shared.first_groups = FirstGroups(ds.train_bs_n_seqs)
         workers = [
             RolloutWorker(i, n_workers, shared, -(-max_concurrent // n_workers)) for i in range(n_workers)
         ]

@@ -6,7 +6,8 @@ rollout (the staleness bound); the group's group_size answers go to one server a
 continued after interruptions (`partial.generate_group`), or, with a multi-turn workflow, its group_size
 episodes run there side by side (`gen.episodes`); their task's reward scores them; a group whose answers all
 have the same reward (dynamic_sampling) or whose success rate is outside [success_rate_lb, success_rate_ub]
-is dropped (a marker in the store says so, with its reason), any other is written to the store. A resumed
+is dropped (a marker in the store says so, with its reason), any other is written to the store; an agent that
+fails the first batch of groups the same way ends the run (`episodes.FirstGroups`). A resumed
 run skips the prompts that are already used in their epoch (`done`: trained on or dropped, from the ledger,
 or waiting in the store).
 """
@@ -25,7 +26,7 @@ from areal_hpc.config import ExperimentConfig
 from areal_hpc.control import Ledger
 from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSampler, read_attrs
 from areal_hpc.gen.client import GenerationStopped
-from areal_hpc.gen.episodes import EPISODE_COUNTS, Episodes, GroupDropped
+from areal_hpc.gen.episodes import Episodes, FirstGroups, GroupDropped, kept_count
 from areal_hpc.gen.manager import GenerationManager
 from areal_hpc.gen.partial import generate_group
 from areal_hpc.gen.rollout import equal_rewards, group_params, pack_episodes, pack_groups, scores
@@ -48,6 +49,7 @@ class RolloutContext:
     stop: threading.Event
     done: dict[int, set[str]] = field(default_factory=dict)  # prompt epoch -> query ids already used
     episodes: Episodes | None = None  # a multi-turn workflow's (None: single_turn)
+    first_groups: FirstGroups | None = None  # with episodes: whether the agent fails every group alike
 
 
 class RolloutWorker:
@@ -157,7 +159,9 @@ class RolloutWorker:
         except GroupDropped as exc:
             logger.warning("group of prompt %s dropped (%s): %s", prompt.query_id, exc.reason, exc)
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason=exc.reason)
+            ctx.first_groups.ended(prompt.query_id, epoch, exc)
             return False
+        ctx.first_groups.ended(prompt.query_id, epoch)
         if cfg.dynamic_sampling and equal_rewards(result.rewards):
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason="equal_rewards")
             return False
@@ -168,7 +172,7 @@ class RolloutWorker:
         arrays["birth_time"] = np.full(len(arrays["rewards"]), birth, dtype=np.float64)
         attrs = {"query_id": prompt.query_id, "epoch": epoch, "worker": self.index, "gen_secs": result.secs,
                  "n_interrupted": result.counts["interrupted_turns"], "episodes": len(result.rewards),
-                 **{f"episode_{name}": float(result.counts[name]) for name in EPISODE_COUNTS}}  # fmt: skip
+                 **{f"episode_{name}": float(n) for name, n in result.counts.items() if kept_count(name)}}  # fmt: skip
         ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True
 

@@ -2,9 +2,11 @@
 
 Roles meet only through the run directory, HTTP and torch.distributed, exactly as under Slurm; this module
 only starts them (the tasks `role_tasks` plans, as a Slurm job would), shows progress, and stops them all when
-one fails or the user presses Ctrl-C. A failed attempt is restarted up to `recover_retries` times (unless
-recover_mode is disabled, or the failure would repeat: bad config or inputs), as a Slurm job requeues itself;
-the controller then resumes from the newest recover checkpoint.
+one fails, or on Ctrl-C, SIGTERM (`areal-hpc stop`, which finds this process by `RunDir.launcher`) or SIGHUP;
+what they leave running (agent programs) goes with them (`processes.kill_adopted`). A failed attempt is
+restarted up to `recover_retries` times (unless recover_mode is disabled, or the failure would repeat: bad
+config or inputs), as a Slurm job requeues itself; the controller then resumes from the newest recover
+checkpoint.
 """
 
 from __future__ import annotations
@@ -28,15 +30,23 @@ from areal_hpc.control import (
     RunDir,
     abort,
     create_run_dir,
+    fsio,
     get_status,
     task_name,
 )
+from areal_hpc.launch import processes
 from areal_hpc.launch.plan import role_tasks
 from areal_hpc.launch.preflight import check_inputs
 from areal_hpc.monitor import Progress
 from areal_hpc.recover import ATTEMPT_ENV, begin_attempt
 
 STOP_GRACE_SECS = 5.0
+# The signals that stop a run as a failure does, and what the run says then; its exit code: 128 + the signal.
+STOP_SIGNALS = {
+    signal.SIGINT: "interrupted (Ctrl-C)",
+    signal.SIGTERM: "stopped (SIGTERM)",  # `areal-hpc stop`, kill, a batch system
+    signal.SIGHUP: "stopped (SIGHUP)",  # the terminal closed
+}
 
 
 @dataclass
@@ -97,9 +107,10 @@ def start(roles: list[Role], run: RunDir, attempt: int) -> None:
         log.close()
 
 
-def stop(roles: list[Role], grace: float = STOP_GRACE_SECS) -> None:
-    """SIGTERM every live role, then SIGKILL what is left after `grace` seconds."""
-    live = [r for r in roles if r.exit_code is None]
+def stop(roles: list[Role], own: set[int], grace: float = STOP_GRACE_SECS) -> None:
+    """SIGTERM every live role, then SIGKILL what is left after `grace` seconds, and whatever the roles left
+    running: every child of this process but the roles and `own` (those it had before)."""
+    live = [r for r in roles if r.process is not None and r.exit_code is None]
     for role in live:
         _signal(role, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -109,6 +120,7 @@ def stop(roles: list[Role], grace: float = STOP_GRACE_SECS) -> None:
         if role.exit_code is None:
             _signal(role, signal.SIGKILL)
             role.process.wait()
+    processes.kill_adopted(own | {r.process.pid for r in roles if r.process})
 
 
 def _signal(role: Role, sig: int) -> None:
@@ -121,10 +133,42 @@ def log_tail(log: Path, n: int = 15) -> str:
     return "\n".join("    " + line for line in lines)
 
 
-def supervise(roles: list[Role], run: RunDir, attempt: int, progress: Progress) -> tuple[int, str]:
-    """Wait until the controller finishes (0) or any role fails (1); returns (exit code, message)."""
+class StopSignals:
+    """Notes the STOP_SIGNALS that come while in the block, for the supervisor to stop the roles in order (an
+    exception raised in the handler could cut that stop short)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in STOP_SIGNALS:
+            # SIGINT even where ignored (a shell's background job), SIGHUP not (nohup ignores it on purpose).
+            if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+
+    def outcome(self) -> tuple[int, str] | None:
+        """(exit code, message) once a stop signal came, else None."""
+        return None if self.received is None else (128 + self.received, STOP_SIGNALS[self.received])
+
+
+def supervise(
+    roles: list[Role], run: RunDir, attempt: int, progress: Progress, signals: StopSignals
+) -> tuple[int, str]:
+    """Wait until the controller finishes (0), any role fails (1) or a stop signal comes (128 + it); returns
+    (exit code, message)."""
     controller = next(r for r in roles if r.name == "controller")
     while True:
+        if stopped := signals.outcome():
+            return stopped
         progress.update()
         status = get_status(run)
         logs = run.attempt_logs(attempt)
@@ -159,39 +203,52 @@ def run_local(cfg: ExperimentConfig, out: TextIO | None = None) -> int:
     run = create_run_dir(cfg)
     print(f"run directory: {run.root}", file=out)
     restarts = 0 if cfg.recover_mode == "disabled" else cfg.recover_retries
-    # Ctrl-C must reach us even when started with SIGINT ignored (a shell's background job).
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The record `areal-hpc stop` finds this process by, there only while it supervises the run.
+    fsio.write_json(run.launcher, processes.identity(os.getpid()))
     try:
-        for restart in range(restarts + 1):
-            code, message = run_attempt(cfg, run, out)
-            status = get_status(run)
-            if code in (0, 130) or restart == restarts or (status is not None and status.permanent):
-                break
-            print(f"areal-hpc run: {message.splitlines()[0]}; restarting in {cfg.recover_after} s "
-                  f"(restart {restart + 1} of {restarts})", file=sys.stderr)  # fmt: skip
-            time.sleep(cfg.recover_after)
+        with StopSignals() as signals, processes.adopting_orphans():
+            for restart in range(restarts + 1):
+                code, message = run_attempt(cfg, run, out, signals)
+                status = get_status(run)
+                if code == 0 or signals.received or restart == restarts or (status and status.permanent):
+                    break
+                print(f"areal-hpc run: {message.splitlines()[0]}; restarting in {cfg.recover_after} s "
+                      f"(restart {restart + 1} of {restarts})", file=sys.stderr)  # fmt: skip
+                pause(cfg.recover_after, signals)
+                if signals.received:
+                    code, message = signals.outcome()
+                    break
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if code not in (0, 130) and status is not None and status.permanent:
+        run.launcher.unlink(missing_ok=True)
+    if code == 1 and status is not None and status.permanent:  # a failure, not a stop signal
         message += "\nnot restarted: a new attempt would fail alike (fix the config or the inputs)"
     print(f"areal-hpc run: {message}", file=out if code == 0 else sys.stderr)
     return code
 
 
-def run_attempt(cfg: ExperimentConfig, run: RunDir, out: TextIO) -> tuple[int, str]:
-    """Start every role of a new attempt and supervise them until the run completes or the attempt fails."""
+def pause(secs: float, signals: StopSignals) -> None:
+    """Sleep `secs` seconds, or less when a stop signal comes."""
+    deadline = time.monotonic() + secs
+    while not signals.received and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def run_attempt(cfg: ExperimentConfig, run: RunDir, out: TextIO, signals: StopSignals) -> tuple[int, str]:
+    """Start every role of a new attempt and supervise them until the run completes, the attempt fails or a
+    stop signal comes."""
     attempt = begin_attempt(run)
     roles = plan_roles(cfg, run)
     print(f"attempt {attempt}: roles {', '.join(r.name for r in roles)} (logs in {run.attempt_logs(attempt)})",
           file=out)  # fmt: skip
     progress = Progress(run, out if cfg.logging.progress else None)
+    own = set(processes.children(os.getpid()))  # a caller's own children (a test's), never killed here
+    code, message = 1, "the launcher failed"  # should start or supervise raise: the roles stop all the same
     try:
         start(roles, run, attempt)
-        code, message = supervise(roles, run, attempt, progress)
-    except KeyboardInterrupt:
-        code, message = 130, "interrupted (Ctrl-C)"
-    if code != 0:
-        abort(run, message.splitlines()[0], "launcher")  # keeps the first cause if a role set one
-    stop(roles)
-    progress.finish()
+        code, message = supervise(roles, run, attempt, progress, signals)
+    finally:
+        if code != 0:
+            abort(run, message.splitlines()[0], "launcher")  # keeps the first cause if a role set one
+        stop(roles, own)
+        progress.finish()
     return code, message

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
+import yaml
+
 from areal_hpc.config import ExperimentConfig, load_config
-from areal_hpc.control import RunDir, fsio, user_root
-from areal_hpc.launch import slurm
+from areal_hpc.control import RunDir, fsio, get_status, user_root
+from areal_hpc.launch import processes, slurm
 
 DEFAULT_FILEROOT = ExperimentConfig().cluster.fileroot
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # in a checkout
 
 
 class RunNotFound(LookupError):
@@ -28,14 +34,14 @@ def select_runs(args: list[str], fileroot: str | None = None) -> list[RunDir]:
     - a run directory, or `experiment/trial` under the fileroot: that run;
     - config files and overrides: the runs of their experiment under their cluster.fileroot (the run of
       their trial_name, if set);
-    - nothing: every run under the fileroot.
+    - nothing: every run under the fileroots (`fileroots`).
     `fileroot`, when given, wins over the config's; the default is cluster.fileroot's."""
     if args and not is_config(args):
         if len(args) > 1:
             raise RunNotFound(f"give one run, not {len(args)}: {' '.join(args)}")
-        return [find_run(args[0], fileroot or DEFAULT_FILEROOT)]
+        return [find_run(args[0], fileroot)]
     if not args:
-        return list_runs(fileroot or DEFAULT_FILEROOT)
+        return list_runs(*fileroots(fileroot))
     cfg = load_config([a for a in args if "=" not in a], [a for a in args if "=" in a])
     runs = [
         r for r in list_runs(fileroot or cfg.cluster.fileroot) if r.root.parent.name == cfg.experiment_name
@@ -43,17 +49,33 @@ def select_runs(args: list[str], fileroot: str | None = None) -> list[RunDir]:
     return [r for r in runs if cfg.trial_name in (None, r.root.name)]
 
 
-def find_run(name: str, fileroot: str = DEFAULT_FILEROOT) -> RunDir:
-    """A run directory given as a path, or as `experiment/trial` under `<fileroot>/<user>`."""
-    for candidate in (RunDir(Path(name)), RunDir(user_root(fileroot) / name)):
+def fileroots(fileroot: str | None = None) -> list[str]:
+    """Where runs are looked for when no config says: `fileroot` if given, else cluster.fileroot's default and
+    the fileroots of the shipped configs (the toys' `runs`, under the working directory)."""
+    if fileroot:
+        return [fileroot]
+    configs = [yaml.safe_load(p.read_text()) or {} for p in sorted(SHIPPED_CONFIGS.glob("*.yaml"))]
+    shipped = [(c.get("cluster") or {}).get("fileroot") for c in configs]
+    return list(dict.fromkeys([DEFAULT_FILEROOT, *filter(None, shipped)]))
+
+
+def searched(fileroot: str | None = None) -> str:
+    """The folders `fileroots` stands for, to say where runs were looked for."""
+    return ", ".join(str(user_root(f)) for f in fileroots(fileroot))
+
+
+def find_run(name: str, fileroot: str | None = None) -> RunDir:
+    """A run directory given as a path, or as `experiment/trial` under `<fileroot>/<user>` of `fileroots`."""
+    for candidate in [RunDir(Path(name))] + [RunDir(user_root(f) / name) for f in fileroots(fileroot)]:
         if candidate.config.is_file():
             return RunDir(candidate.root.resolve())
-    raise RunNotFound(f"no run {name!r}: give its directory, or experiment/trial under {fileroot}/<user>")
+    raise RunNotFound(f"no run {name!r}: give its directory, or experiment/trial under {searched(fileroot)}")
 
 
-def list_runs(fileroot: str = DEFAULT_FILEROOT) -> list[RunDir]:
-    """Every run under `<fileroot>/<user>`, oldest first."""
-    runs = [RunDir(p) for p in user_root(fileroot).glob("*/*")]
+def list_runs(*roots: str) -> list[RunDir]:
+    """Every run under `<fileroot>/<user>` of each fileroot (default: DEFAULT_FILEROOT), oldest first."""
+    folders = dict.fromkeys(user_root(f) for f in roots or [DEFAULT_FILEROOT])
+    runs = [RunDir(p) for folder in folders for p in folder.glob("*/*")]
     return sorted((r for r in runs if r.config.is_file()), key=lambda r: r.config.stat().st_mtime)
 
 
@@ -78,9 +100,34 @@ def stop(run: RunDir, timeout: float = 60.0) -> dict[str, str]:
     """scancel every job of the run; returns the final state of each component once all have ended."""
     ids = job_ids(run)
     if not ids:
-        raise RunNotFound(f"{run.root} has no Slurm jobs (a local run stops with Ctrl-C)")
+        raise RunNotFound(f"{run.root} has no Slurm jobs (a local run stops with stop_local)")
     slurm.cancel(ids)
     return slurm.wait_final(ids, timeout)
+
+
+def stop_local(run: RunDir, timeout: float = 60.0) -> str:
+    """SIGTERM the `areal-hpc run` of a local run, found by its record in the run directory, which stops every
+    role as Ctrl-C does; once it exited, what was stopped. A process that took its pid since is left alone."""
+    record = fsio.read_json(run.launcher)
+    if record is None:
+        raise RunNotFound(f"{run.root} has no Slurm jobs, and no `areal-hpc run` runs it ({state(run)})")
+    launcher = f"launcher {record['pid']} on {record['host']}"
+    if record["host"] != socket.gethostname():
+        raise RunNotFound(f"{run.root} is run by {launcher}: run `areal-hpc stop` there")
+    if not processes.running(record):
+        return f"{launcher}: not running (it ended without removing its record)"
+    os.kill(record["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while processes.running(record):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{launcher} still runs {timeout:g} s after SIGTERM")
+        time.sleep(0.1)
+    return f"{launcher}: stopped; the run is {state(run)}"
+
+
+def state(run: RunDir) -> str:
+    status = get_status(run)
+    return status.state if status else "not started"
 
 
 def log_files(run: RunDir, role: str | None = None) -> list[Path]:

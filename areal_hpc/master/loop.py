@@ -30,7 +30,7 @@ from areal_hpc.master.graph import MFC, awaited
 from areal_hpc.master.guard import StepGuard
 from areal_hpc.master.sources import SftBatches, StepBatch, StoreRollouts, SyncRollouts
 from areal_hpc.master.turns import Turns
-from areal_hpc.monitor import StatsLog, open_writers, step_line, write_progress
+from areal_hpc.monitor import StatsLog, TranscriptLog, open_writers, step_line, write_progress
 from areal_hpc.recover import Preempted, rewind
 from areal_hpc.weights import make_publisher
 
@@ -95,7 +95,9 @@ class Master:
         else:
             episodes = None
             if not is_single_turn(cfg):
-                services = make_services(cfg, tokenizer, rewards, journals=Journals(run.episodes))
+                groups = cfg.rollout.transcript_groups
+                services = make_services(cfg, tokenizer, rewards, journals=Journals(run.episodes),
+                                         transcripts=TranscriptLog(run, groups) if groups else None)  # fmt: skip
                 episodes = Episodes(cfg, services, run)
             self.source = SyncRollouts(cfg, run, train, clients, rewards, episodes)
         self.buffer = Buffer([awaited(mfc) for mfc in graph])  # no call waits for an optional key

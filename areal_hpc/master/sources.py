@@ -32,7 +32,15 @@ from areal_hpc.data import (
     sft_arrays,
     write_batch,
 )
-from areal_hpc.gen import EPISODE_COUNTS, GIVEN_UP, episode_stats, episodes_step, rollout_step
+from areal_hpc.gen import (
+    GIVEN_UP,
+    RepeatedAgentError,
+    by_cause,
+    episode_stats,
+    episodes_step,
+    repeats,
+    rollout_step,
+)
 from areal_hpc.master.guard import StepGuard
 
 logger = logging.getLogger("master")
@@ -130,9 +138,7 @@ class SyncRollouts(PromptSteps):
                 for prompt in batch:
                     self.episodes.finished(prompt, batch_epoch)
         if rolled.path is None:
-            # Equal rewards only: a new attempt would draw the same prompts and sample the same answers.
-            error = RuntimeError if rolled.stats.get("rollout/dropped_groups") else InputError
-            raise error(f"step {step + 1} has no group to train on: {why_none_kept(self.cfg, rolled.stats)}")
+            raise no_group_error(step, self.cfg, rolled)
         files = [(str(rolled.path), group_names(rolled.kept))]
         return StepBatch(files, rolled.kept, rolled.stats, rolled.dropped)
 
@@ -144,17 +150,21 @@ def group_names(groups: list[tuple[str, int]]) -> list[str]:
     return [f"{i}@epoch{e}" if i in twice else i for i, e in groups]
 
 
-def why_none_kept(cfg: ExperimentConfig, stats: dict[str, float]) -> str:
-    """Why a step kept no group, from its statistics."""
-    reasons = []
-    if stats.get("rollout/dynamic_sampling_dropped"):
+def no_group_error(step: int, cfg: ExperimentConfig, rolled) -> Exception:
+    """Why ``step`` kept no group (``rolled``: its StepRollout), as the error that ends the attempt, the groups it
+    gave up counted by cause (the cause is read first, not what followed from it). A new attempt resumes before
+    the step and draws the same prompts: when every group given up failed by the agent's error of one cause
+    (gen.repeats), or none was given up (equal rewards), it would fail alike and the run ends (an InputError: not
+    restarted); episodes past their time may fare better."""
+    reasons = [f"every group was dropped: {by_cause(rolled.given_up)}"] if rolled.given_up else []
+    if rolled.stats.get("rollout/dynamic_sampling_dropped"):
         reasons.append(EQUAL_REWARDS.format(rounds=cfg.dynamic_sampling_max_rounds))
-    if stats.get("rollout/dropped_groups"):
-        reasons.append(
-            f"the log says why: episodes past rollout.episode_timeout_secs={cfg.rollout.episode_timeout_secs:g}, "
-            "or an agent's errors"
-        )
-    return "; ".join(reasons) or "no group was generated"
+    message = f"step {step + 1} has no group to train on: {'; '.join(reasons) or 'no group was generated'}"
+    if not rolled.given_up:
+        return InputError(message)
+    if repeats(rolled.given_up):
+        return RepeatedAgentError(f"{message}; a new attempt would draw the same prompts and fail alike")
+    return RuntimeError(message)
 
 
 class SftBatches(PromptSteps):
@@ -267,7 +277,9 @@ def rollout_stats(paths: list[Path], attrs: list[dict], dropped: list[dict] = ()
         "rollout/gen_secs/avg": float(np.mean([a["gen_secs"] for a in attrs])),
     }
     if any("episodes" in a for a in attrs):
-        counts = Counter({name: sum(a.get(f"episode_{name}", 0) for a in attrs) for name in EPISODE_COUNTS})
+        counts = Counter()
+        for a in attrs:  # EPISODE_COUNTS, and per tool name (tool_calls/<name>)
+            counts.update({k.removeprefix("episode_"): v for k, v in a.items() if k.startswith("episode_")})
         given_up = sum(d.get("reason") in GIVEN_UP for d in dropped)
         stats |= episode_stats(counts, sum(a.get("episodes", 0) for a in attrs), given_up)
     return stats

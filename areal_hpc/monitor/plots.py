@@ -1,5 +1,6 @@
 """A run's per-step statistics (the rows of stats.jsonl) as PNG figures of 960x540 pixels: reward, lengths,
-off-policyness, importance weights, time per step, evaluations and loss, one file each."""
+off-policyness, importance weights, time per step, evaluations, loss, and the turns and tool use of multi-turn
+episodes, one file each."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ Series = dict[str, dict[int, float]]  # statistic -> step -> value
 SIZE, DPI = (9.6, 5.4), 100  # 960x540 pixels, the same for every figure
 LENGTHS = ("rollout/answer_len/avg", "ppo_actor/seq_len/avg", "ppo_actor/prompt_len/avg")
 NO_EOS = ("rollout/no_eos_ratio", "ppo_actor/no_eos_ratios/avg")
+TASK_REWARD, SCALED_REWARD = "ppo_actor/task_reward/avg", "ppo_actor/reward/avg"
+TURNS = ("turns", "breaks", "interrupted_turns", "refused_requests")  # rollout/<name>_per_episode
+TOOLS = ("tool_calls", "tool_results", "tool_errors")
 E2E = "timeperf/e2e"
 # Accuracy-like evaluations: the in-run `eval/greedy_acc` and checkpoint ones `eval/<set>/<metric>`;
 # lengths and question counts are not accuracies.
@@ -58,14 +62,15 @@ def _avg_band(ax, s: Series, name: str):
 
 
 def _reward(ax, s: Series) -> bool:
-    # The reward is the task reward scaled to +-reward_output_scaling: each on its own axis, so that both read.
-    # No min-max bands: with 0/1 task rewards they span the whole range at every step.
-    ax.set(title="Reward", ylabel="reward")
-    drawn = [_curve(ax, s, "ppo_actor/reward/avg", "reward")]
-    if "ppo_actor/task_reward/avg" in s:
+    # The task reward (the task's score, or the workflow's or agent's reward: 1 solved, 0 not) and the scaled
+    # reward PPO trains on, ((task reward - 0.5) x 2 - ppo.reward_output_bias) x ppo.reward_output_scaling: each
+    # on its own axis, so that both read. No min-max bands: with 0/1 task rewards they span the whole range.
+    ax.set(title="Reward", ylabel="task reward")
+    drawn = [_curve(ax, s, TASK_REWARD, "task reward")]
+    if SCALED_REWARD in s:
         right = ax.twinx()
-        right.set_ylabel("task reward (share correct)")
-        drawn.append(_curve(right, s, "ppo_actor/task_reward/avg", "task reward", color="C1", linestyle="--"))
+        right.set_ylabel("scaled reward (trained on)")
+        drawn.append(_curve(right, s, SCALED_REWARD, "scaled reward", color="C1", linestyle="--"))
     return any(drawn)
 
 
@@ -127,6 +132,22 @@ def _loss(ax, s: Series) -> bool:
     return any([_curve(ax, s, key) for key in sorted(s) if key.endswith(("loss", "loss/avg"))])
 
 
+def _turns(ax, s: Series) -> bool:
+    ax.set(title="Turns per episode", ylabel="per episode")
+    return any([_curve(ax, s, f"rollout/{name}_per_episode", name.replace("_", " ")) for name in TURNS])
+
+
+def _tools(ax, s: Series) -> bool:
+    # The totals, then each tool's calls (agents' and workflows' tools alike), dashed.
+    ax.set(title="Tool use per episode", ylabel="per episode")
+    drawn = [_curve(ax, s, f"rollout/{name}_per_episode", name.replace("_", " ")) for name in TOOLS]
+    if any(drawn):
+        prefix = "rollout/tool_calls_per_episode/"
+        for key in sorted(k for k in s if k.startswith(prefix)):
+            _curve(ax, s, key, f"calls of {key.removeprefix(prefix)}", linestyle="--")
+    return any(drawn)
+
+
 _DRAW = {
     "reward": _reward,
     "lengths": _lengths,
@@ -135,16 +156,23 @@ _DRAW = {
     "time": _time,
     "eval": _eval,
     "loss": _loss,
+    "turns": _turns,
+    "tools": _tools,
 }
 FIGURES = tuple(_DRAW)  # each written as `<name>.png`
 
 
 def plot_run(rows: list[dict], out_dir: Path) -> list[Path]:
     """Write one PNG per figure whose statistics the rows hold; return their paths (figures without data are skipped)."""
-    s = _series(rows)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    return [_save(fig, out_dir / f"{name}.png") for name, fig in figures(rows).items()]
+
+
+def figures(rows: list[dict]) -> dict[str, Figure]:
+    """The figures whose statistics the rows hold, by name."""
+    s = _series(rows)
+    out = {}
     for name, draw in _DRAW.items():
         fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")  # no pyplot: no global state, no display
         ax = fig.add_subplot()
@@ -156,8 +184,8 @@ def plot_run(rows: list[dict], out_dir: Path) -> list[Path]:
         # One legend for both axes of a twin plot, on the top one so no line hides it.
         handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
         fig.axes[-1].legend(handles=handles, fontsize="small")
-        paths.append(_save(fig, out_dir / f"{name}.png"))
-    return paths
+        out[name] = fig
+    return out
 
 
 def _save(fig: Figure, path: Path) -> Path:

@@ -1,43 +1,17 @@
 """Agents written only against the `openai` SDK, as users write them (this folder on PYTHONPATH): they know
-nothing of areal_hpc but the base URL, the key and the dataset record they are given."""
+nothing of areal_hpc but the base URL, the key and the dataset record they are given (and the calculator of the
+shipped example agent, areal_hpc/agent/toy_agent.py, which is SDK code too)."""
 
-import ast
 import asyncio
 import json
-import operator
 import re
 
 import httpx
 import openai
 
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. (47 * 38) / 2"}},
-            "required": ["expression"],
-        },
-    },
-}
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+from areal_hpc.agent.toy_agent import CALCULATOR, calculate  # the shipped example's tool, its own calculator
+
 SEEN: dict[str, list] = {}  # api key -> the responses its episode got (for the tests to compare)
-
-
-def calculate(expression: str) -> str:
-    def value(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-            return OPS[type(node.op)](value(node.left), value(node.right))
-        raise ValueError("only + - * of integers")
-
-    try:
-        return str(value(ast.parse(expression, mode="eval").body))
-    except (SyntaxError, ValueError) as exc:
-        return f"Error: {exc}"
 
 
 def boxed(text: str) -> str | None:
