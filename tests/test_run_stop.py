@@ -77,6 +77,16 @@ def test_areal_hpc_stop_ends_a_local_run_within_seconds(toy, capsys):
     assert_nothing_left(run_root, asked)
 
 
+@pytest.mark.parametrize("record", ['{"pid": -1, "host": "h"}', '{"pid": "1"}', "[1]", "{not json"])
+def test_areal_hpc_stop_refuses_a_launcher_record_it_cannot_trust(tmp_path, capsys, record):
+    run = RunDir(tmp_path / "toy-cpu" / "odd")
+    run.root.mkdir(parents=True)
+    run.config.write_text("experiment_name: toy-cpu\n")
+    run.launcher.write_text(record)
+    assert main(["stop", str(run.root)]) != 0
+    assert f"{run.launcher} is not a launcher's record" in capsys.readouterr().err
+
+
 def test_areal_hpc_stop_leaves_alone_a_process_that_took_the_launchers_pid(tmp_path, capsys):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -44,6 +44,17 @@ def identity(pid: int) -> dict | None:
             "start": int(fields[START_TIME])}  # fmt: skip
 
 
+def is_identity(record) -> bool:
+    """Whether ``record`` has the form `identity` gives (a positive pid, so no process group is meant)."""
+    return (
+        isinstance(record, dict)
+        and record.keys() == {"host", "boot", "pid", "start"}
+        and all(isinstance(record[k], str) for k in ("host", "boot"))
+        and all(isinstance(record[k], int) and not isinstance(record[k], bool) for k in ("pid", "start"))
+        and record["pid"] > 0
+    )
+
+
 def running(record: dict) -> bool:
     """Whether the process `identity` recorded still runs (a zombie, ended but not waited for, does not)."""
     fields = _stat(record["pid"])

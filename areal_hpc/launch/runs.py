@@ -108,9 +108,15 @@ def stop(run: RunDir, timeout: float = 60.0) -> dict[str, str]:
 def stop_local(run: RunDir, timeout: float = 60.0) -> str:
     """SIGTERM the `areal-hpc run` of a local run, found by its record in the run directory, which stops every
     role as Ctrl-C does; once it exited, what was stopped. A process that took its pid since is left alone."""
-    record = fsio.read_json(run.launcher)
+    try:
+        record = fsio.read_json(run.launcher)
+    except ValueError:
+        record = "not JSON"
     if record is None:
         raise RunNotFound(f"{run.root} has no Slurm jobs, and no `areal-hpc run` runs it ({state(run)})")
+    if not processes.is_identity(record):  # the run directory is shared: nothing in it is signalled unread
+        raise RunNotFound(f"{run.launcher} is not a launcher's record ({str(record)[:200]}): remove it if no "
+                          f"`areal-hpc run` runs {run.root}")  # fmt: skip
     launcher = f"launcher {record['pid']} on {record['host']}"
     if record["host"] != socket.gethostname():
         raise RunNotFound(f"{run.root} is run by {launcher}: run `areal-hpc stop` there")
