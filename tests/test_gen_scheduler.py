@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -83,18 +82,20 @@ def test_bucket_is_the_smallest_graph_size_that_holds_the_rows_capped_by_the_slo
 # --- the KV cache --------------------------------------------------------------------------------------------
 
 
-def test_the_kv_cache_fits_the_memory_share_and_the_context(tiny_model_dir):
+def test_the_kv_cache_is_a_pool_of_pages_the_memory_share_holds(tiny_model_dir):
     shape = Shape.of(AutoConfig.from_pretrained(tiny_model_dir))
-    weights, ram = 10_000, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    page_bytes = cache.PAGE * shape.kv_bytes_per_token * 4  # float32
 
-    def slot_len(mem_fraction: float, context_len: int) -> int:
-        return cache.slot_len(shape, 8, torch.float32, CPU, mem_fraction, context_len, weights)
-
-    with pytest.raises(MemoryError, match=r"lower max_running_requests or raise sglang\.mem_fraction_static"):
-        slot_len(1e-9, 2048)
-    assert slot_len(0.5, 1000) == 992  # the context, in whole blocks of 16
-    room_for_100 = (weights + 100 * 8 * shape.kv_bytes_per_token * 4) / ram
-    assert slot_len(room_for_100, 2048) == 96  # what the share leaves room for, in whole blocks
+    with pytest.raises(MemoryError, match=r"less than one page .* raise sglang\.mem_fraction_static"):
+        cache.plan(shape, torch.float32, page_bytes, context_len=2048)
+    pool = cache.plan(shape, torch.float32, 100 * page_bytes + 5, context_len=512)
+    assert (pool.pages, pool.tokens, pool.rows_at_full_context) == (100, 99 * 16, 3)  # page 0 is scratch
+    assert pool.describe() == {
+        "pool_tokens": 1584, "pool_gib": round(100 * page_bytes / 2**30, 3), "page_size": 16,
+        "rows_at_full_context": 3,
+    }  # fmt: skip
+    # No more than the running rows can use at full context (a CPU's share of RAM is a ceiling).
+    assert cache.plan(shape, torch.float32, 10**6 * page_bytes, 512, max_tokens=8 * 512).tokens == 8 * 512
 
 
 def test_a_released_kv_cache_refuses_generation_until_resumed(engine):

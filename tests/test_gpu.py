@@ -26,9 +26,30 @@ def tool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_engine_logprobs_graphs_and_seeds_hold_on_a_gpu():
-    """Logprobs within the bf16 tolerance of transformers', graph decode as eager, a seed repeats its tokens."""
+    """Logprobs within the bf16 tolerance of transformers' (fresh, from the prefix cache, and continued after a
+    retraction from a tight pool), graph decode as eager."""
     done = tool("tools/gpu_check_engine.py", "--shape", "0.5b", "--rows", "32", "--tokens", "128")
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_paged_decode_kernel_agrees_with_its_reference():
+    """The Triton kernel against the torch reference: bf16, fp16, fp32, GQA groups 1-16, 1 to 66 splits."""
+    done = tool("tools/gpu_check_paged.py")
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+
+
+def test_long_answers_are_never_cut_and_episodes_prefill_only_what_they_add(tmp_path):
+    """Issue 45's workloads, small: long-tailed answers all reach their drawn length; an 8-turn episode
+    prefills at most 1.3x the tokens it adds (the rest comes from the prefix cache)."""
+    long, episodes = tmp_path / "long.json", tmp_path / "episodes.json"
+    done = tool("tools/bench_gen_long.py", "--device", "cuda", "--mode", "long", "--shape", "0.5b",
+                "--prompts", "8", "--median", "600", "--tail", "4000", "--out", str(long))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = tool("tools/bench_gen_long.py", "--device", "cuda", "--mode", "episodes", "--shape", "0.5b",
+                "--episodes", "16", "--max-batch", "16", "--out", str(episodes))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(long.read_text())["engine"]["cut"] == 0
+    assert json.loads(episodes.read_text())["engine"]["prefill_ratio"] <= 1.3
 
 
 def test_a_server_copies_weights_a_process_shares_from_its_gpu(tiny_model_dir, tmp_path):

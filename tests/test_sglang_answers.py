@@ -376,6 +376,7 @@ def test_every_field_we_read_from_sglang_answers_is_one_its_source_produces():
         ("text",),
         ("meta_info", "finish_reason", "type"),
         ("meta_info", "weight_version"),
+        ("meta_info", "cached_tokens"),
         ("meta_info", "output_token_logprobs"),
         ("meta_info", "output_token_logprobs", "*", 0),
     } <= reads["/generate"]
@@ -393,7 +394,7 @@ def test_the_fake_server_answers_only_with_what_sglang_produces_there():
 def test_the_builtin_server_answers_as_sglang_does():
     out = SimpleNamespace(
         rid="r1", output_ids=[5, 2], logprobs=[-0.5, -0.25], finish_reason={"type": "stop", "matched": 2},
-        prompt_tokens=3, weight_version="0", latency=0.1, skip_special_tokens=True,
+        prompt_tokens=3, cached_tokens=2, weight_version="0", latency=0.1, skip_special_tokens=True,
     )  # fmt: skip
     for return_text in (True, False):
         assert unlike_sglang(format_output(out, lambda ids, skip: "ab", True, return_text)) == set()

@@ -235,15 +235,20 @@ def build_model(shape: str, out: str, device: str) -> None:
     free_memory(device)
 
 
+def bare_packages() -> None:
+    """Bare parent packages of the engine: areal_hpc.gen's __init__ imports the rollout stack, which the GPU
+    image lacks."""
+    for name in ("areal_hpc.gen", "areal_hpc.gen.backends", BUILTIN):
+        if name not in sys.modules:
+            sys.modules[name] = module = types.ModuleType(name)
+            module.__path__ = [str(REPO / name.replace(".", "/"))]
+
+
 def engine_classes(copy: str | None, tmp: str, package: str) -> tuple[type, type]:
     """(Engine, SamplingParams) of the package's engine, or of the copy of the package in ``copy`` (imported
     as ``package``)."""
     if copy is None:
-        # Bare parent packages: areal_hpc.gen's __init__ imports the rollout stack, which the GPU image lacks.
-        for name in ("areal_hpc.gen", "areal_hpc.gen.backends", BUILTIN):
-            if name not in sys.modules:
-                sys.modules[name] = module = types.ModuleType(name)
-                module.__path__ = [str(REPO / name.replace(".", "/"))]
+        bare_packages()
         package = BUILTIN
     else:
         # A package of its own beside the current one: its modules import each other under the new name.

@@ -48,6 +48,7 @@ class ServerSpec:
     context_length: int | None = _SGLANG.context_length
     log_level: str = _SGLANG.log_level
     ep_size: int = _SGLANG.ep_size  # a mixture-of-experts model's experts split over this many of its GPUs
+    max_total_tokens: int | None = None  # a cap on the KV pool's positions (SGLang's flag; tests use it)
     # Routing replay (actor.router_replay rollout): answers carry each token's routed experts when asked.
     enable_return_routed_experts: bool = False
 

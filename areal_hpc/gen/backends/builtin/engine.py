@@ -52,6 +52,7 @@ class Output:
     logprobs: list[float]
     finish_reason: dict
     prompt_tokens: int
+    cached_tokens: int  # context tokens its prefills took from the prefix cache (SGLang's meta_info field)
     weight_version: str
     latency: float
     skip_special_tokens: bool
@@ -89,6 +90,7 @@ class Engine:
         weight_version: str = "0",
         mem_fraction_static: float = 0.9,
         context_length: int | None = None,
+        max_total_tokens: int | None = None,
         return_routed_experts: bool = False,
     ):
         self.model_path, self.tokenizer_path = str(model_path), str(tokenizer_path or model_path)
@@ -100,21 +102,16 @@ class Engine:
         config = decoder.config
         self.vocab_size = config.vocab_size
         model_len = config.max_position_embeddings
-        context = min(context_length or model_len, model_len)
-        slot_len = cache.slot_len(
-            decoder.shape,
-            max_batch_size,
-            self.dtype,
-            self.device,
-            mem_fraction_static,
-            context,
-            decoder.nbytes,
-        )
-        self.context_len = min(context, slot_len)
+        self.context_len = min(context_length or model_len, model_len)
+        budget = cache.budget_bytes(self.device, mem_fraction_static, decoder.nbytes)
+        # No more positions than max_batch_size rows at full context can use (nor than SGLang's max_total_tokens).
+        cap = min(max_batch_size * self.context_len, max_total_tokens or max_batch_size * self.context_len)
+        self.plan = cache.plan(decoder.shape, self.dtype, budget, self.context_len, cap)
+        log.info("KV cache: %s", json.dumps(self.plan.describe()))
         self.eos_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         # SGLang's --enable-return-routed-experts: every forward records the experts chosen (a dense model: error).
         self.records_routed = return_routed_experts
-        runner = Runner(decoder, max_batch_size, slot_len, record=return_routed_experts)
+        runner = Runner(decoder, max_batch_size, self.plan, record=return_routed_experts)
         self._sched = Scheduler(runner, self.context_len)
         self._seeds = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
@@ -170,10 +167,7 @@ class Engine:
         for i, prompt in enumerate(prompts):
             if max(prompt) >= self.vocab_size:
                 raise RequestError("input_ids", f"token id {max(prompt)} >= vocab size {self.vocab_size}")
-            if len(prompt) >= self.context_len:
-                raise RequestError(
-                    "input_ids", f"prompt {i} has {len(prompt)} tokens, context is {self.context_len}"
-                )
+            self._check_fits(i, len(prompt), params.max_new_tokens)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         with self._cond:
             if not self.healthy:
@@ -195,6 +189,27 @@ class Engine:
             self._waiting.extend(rows)
             self._cond.notify_all()
         return request
+
+    def _check_fits(self, index: int, prompt: int, max_new: int | None) -> None:
+        """Refuse a sequence the server can never hold, as SGLang refuses one over its context, never cut it."""
+        if prompt >= self.context_len:
+            raise RequestError(
+                "input_ids", f"prompt {index} has {prompt} tokens, the context length is {self.context_len}"
+            )
+        if max_new is not None and prompt + max_new > self.context_len:
+            raise RequestError(
+                "max_new_tokens",
+                f"prompt {index} of {prompt} tokens + max_new_tokens {max_new} = {prompt + max_new} exceeds the "
+                f"context length {self.context_len}: lower max_new_tokens or raise the context length",
+            )
+        longest = prompt + (max_new if max_new is not None else self.context_len - prompt)
+        if longest > self.plan.tokens:
+            raise RequestError(
+                "max_new_tokens",
+                f"prompt {index} of {prompt} tokens may grow to {longest}, more than the KV cache's "
+                f"{self.plan.tokens} positions ({self.plan.gib:.2f} GiB): lower max_new_tokens or raise "
+                "mem_fraction_static",
+            )
 
     def _row_seed(self, params: SamplingParams, sample: int) -> int:
         """The seed of one sample's stream (called under the lock, so server seeds are drawn in order)."""
@@ -246,6 +261,8 @@ class Engine:
                     None, "release_memory_occupation needs an idle server: requests are running"
                 )
             new = set(tags) - self._released
+            if "kv_cache" in new:
+                self._sched.flush_cache()
             self._sched.runner.release(weights="weights" in new, cache="kv_cache" in new)
             self._released |= set(tags)
 
@@ -361,6 +378,7 @@ class Engine:
                     if abort_all:
                         self._abort_now(lambda req: True, "aborted for a weight update")
                     apply()
+                    self._sched.flush_cache()  # cached keys and values are the old weights'
                     self._stale = False
                     if weight_version is not None:
                         self.weight_version = str(weight_version)
@@ -435,10 +453,12 @@ class Engine:
                 self._finish(self._sched.flush())
                 return
             free = 0 if self._draining else max(self.max_batch_size - len(self._sched.rows), 0)
-            admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        finished = self._sched.admit(admitted) if admitted else []
-        finished += self._sched.step()
-        self._finish(finished)
+            candidates = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        finished, left = self._sched.admit(candidates) if candidates else ([], [])
+        stepped, retracted = self._sched.step()
+        with self._cond:  # rows the pool cannot hold now wait first in line, retracted ones before them
+            self._waiting.extendleft(reversed(retracted + left))
+        self._finish(finished + stepped)
 
     def _run_controls(self) -> None:
         with self._cond:
@@ -467,6 +487,7 @@ class Engine:
                 logprobs=row.logprobs,
                 finish_reason=row.finish_reason,
                 prompt_tokens=len(row.prompt),
+                cached_tokens=row.cached_tokens,
                 weight_version=self.weight_version,
                 latency=latency,
                 skip_special_tokens=row.params.skip_special_tokens,
@@ -493,7 +514,8 @@ class Engine:
                 "memory": self.memory,
                 "healthy": self.healthy,
                 "stats": dict(self._sched.stats),
-                "slot_len": self._sched.runner.slot_len,
+                "kv_cache": self.plan.describe() | self._sched.pool(),
+                "max_total_num_tokens": self.plan.tokens,  # SGLang's field: positions of the KV pool
                 "context_length": self.context_len,  # SGLang's field: the longest prompt + answer served
             }
 

@@ -203,7 +203,7 @@ def format_output(
         "finish_reason": out.finish_reason,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "weight_version": out.weight_version,
         "e2e_latency": out.latency,
     }

@@ -1,12 +1,14 @@
-"""The model runner: prefill and decode steps of the decoder over the slots of the KV cache, on CPU or one GPU.
+"""The model runner: prefill and decode steps of the decoder over the paged KV cache, on CPU or one GPU.
 
-A decode step runs slots 0..B-1 (B a bucket size: the scheduler keeps running rows in the lowest slots) and reads
-and writes only device tensors (each slot's last token, position and sampling state), so on a GPU it is
-captured once per bucket in a CUDA graph and replayed. Attention on a GPU is FlashAttention's variable-length
-kernel (torch's own op): each slot attends over its own length of the static cache (``seqused_k``), so a step
-reads only the keys it needs and never pads. Elsewhere it is torch SDPA with a length mask. The step's tokens
-and logprobs come back through a pinned buffer, copied asynchronously: the host reads a step's results while
-the device runs the next one.
+Each slot (a running row) has a row of the block table: the pages of the pool (``cache.py``) that hold its
+keys and values, position p in page ``table[slot, p // PAGE]``. A decode step runs slots 0..B-1 (B a bucket
+size: the scheduler keeps running rows in the lowest slots) and reads and writes only device tensors (each
+slot's last token, position, block-table row and sampling state), so on a GPU it is captured once per bucket
+in a CUDA graph and replayed; its attention is the paged kernel of ``paged_decode`` (Triton), which reads each
+key once per KV head. A prefill writes the new tokens' keys and values into their pages and attends over the
+row's whole context gathered from the pool (a cached prefix included), with FlashAttention's variable-length
+kernel on a GPU, torch SDPA elsewhere. The step's tokens and logprobs come back through a pinned buffer,
+copied asynchronously: the host reads a step's results while the device runs the next one.
 
 With routed-expert recording on (a mixture of experts), every forward also writes each token's chosen experts,
 [tokens, layers, k] (zeros on dense layers), into a device buffer: a decode step's come back with its tokens, a
@@ -22,8 +24,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from areal_hpc.gen.backends.builtin.cache import KVCache
+from areal_hpc.gen.backends.builtin import paged_decode
+from areal_hpc.gen.backends.builtin.cache import KVCache, Plan
 from areal_hpc.gen.backends.builtin.model import Decoder
+from areal_hpc.gen.backends.builtin.paged_decode import PAGE
 from areal_hpc.gen.backends.builtin.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
@@ -86,31 +90,47 @@ class Fetched:
 
 @dataclass
 class Prefilled:
-    """A prefill's first tokens and logprobs, slot by slot of its groups, and with recording on each prompt's
-    routed experts [prompt length, layers, k]."""
+    """A prefill's first tokens and logprobs, slot by slot of its groups, and with recording on each group's
+    routed experts [new tokens, layers, k]."""
 
     tokens: list[int]
     logprobs: list[float]
     routed: list[np.ndarray] | None = None
 
 
-class Runner:
-    """The decoder, the KV cache and each slot's decode state (last token, position, sampling settings)."""
+@dataclass
+class Group:
+    """Rows with one context, prefilled together: the context's tokens from ``start`` on are new (the ones
+    before are in the pages already), and each row's ``pages`` cover the whole context."""
 
-    def __init__(self, decoder: Decoder, slots: int, slot_len: int, record: bool = False):
-        self.decoder, self.slots, self.slot_len = decoder, slots, slot_len
+    context: list[int]
+    start: int
+    slots: list[int]
+    pages: list[list[int]]
+
+
+class Runner:
+    """The decoder, the KV pool and each slot's decode state (last token, position, pages, sampling)."""
+
+    def __init__(self, decoder: Decoder, slots: int, plan: Plan, record: bool = False):
+        self.decoder, self.slots, self.plan = decoder, slots, plan
         device, shape = decoder.device, decoder.shape
-        self.cache = KVCache(shape, slots, slot_len, device, decoder.dtype)
+        self.cache = KVCache(shape, plan.pages, device, decoder.dtype)
+        self.width = -(-plan.context_len // PAGE)  # pages of a row at full context
+        self.table = torch.zeros(slots, self.width, dtype=torch.int32, device=device)
         self.sampling = SlotSampling(slots, shape.vocab, device)
         zeros = lambda: torch.zeros(slots, dtype=torch.long, device=device)  # noqa: E731
         self.tokens, self.positions, self.live = zeros(), zeros(), zeros()
         self.cuda = device.type == "cuda"
         self.use_graphs = self.cuda  # off: eager decode steps (checks compare the two)
         self.flash = flash_works(device, decoder.dtype)
+        self.kernel = paged_decode.available(device, decoder.dtype)
+        if self.cuda and not self.kernel:
+            log.warning("the paged decode kernel needs triton on an sm80+ GPU: decode attention gathers keys")
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count if self.cuda else 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        steps = torch.arange(slots + 1, device=device, dtype=torch.int32)
-        self._cu_q, self._cu_k, self._rows = steps, steps * slot_len, torch.arange(slots, device=device)
+        self._rows = torch.arange(slots, device=device)
         pinned = self.cuda
         self._out = [
             (torch.zeros(slots, dtype=torch.long, pin_memory=pinned), torch.zeros(slots, pin_memory=pinned))
@@ -142,51 +162,63 @@ class Runner:
         if cache:
             self.cache.allocate()
 
+    # --- pages ---------------------------------------------------------------------------------------------
+
+    def set_pages(self, updates: list[tuple[int, int, list[int]]]) -> None:
+        """Write block-table entries: for each (slot, first, pages), ``table[slot, first:]`` = pages (one
+        indexed write, queued behind the steps in flight, which still read the old entries)."""
+        rows = [slot for slot, _, pages in updates for _ in pages]
+        cols = [first + i for _, first, pages in updates for i in range(len(pages))]
+        values = [page for _, _, pages in updates for page in pages]
+        if values:
+            device = self.table.device
+            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            self.table.index_put_(index, torch.tensor(values, dtype=torch.int32, device=device))
+
     # --- prefill -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slot_groups: list[list[int]]) -> Prefilled:
-        """Run ``prompts`` once each, fill the cache of every slot of its group with its keys and values, and
-        sample each slot's first token; returns the tokens and logprobs, slot by slot of the groups (and with
-        recording on, each prompt's routed experts)."""
-        device, lens = self.decoder.device, [len(p) for p in prompts]
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        ids = torch.tensor([t for p in prompts for t in p], device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lens])
-        # Each slot of a group takes its prompt's keys and values: one indexed write per layer.
-        writes = [(s, j) for j, group in enumerate(slot_groups) for s in group]
-        dst_slot = torch.tensor([s for s, j in writes for _ in range(lens[j])], device=device)
-        dst_pos = torch.cat([torch.arange(lens[j], device=device) for _, j in writes])
-        src = torch.cat([torch.arange(starts[j], starts[j + 1], device=device) for _, j in writes])
-        cu = torch.tensor(starts, device=device, dtype=torch.int32)
+    def prefill(self, groups: list[Group]) -> Prefilled:
+        """Run each group's new tokens once, write their keys and values into the pages of every row of the
+        group (pages rows share are written once), and sample each row's first token; returns the tokens and
+        logprobs, slot by slot of the groups (and with recording on, each group's routed experts)."""
+        device = self.decoder.device
+        new = [len(g.context) - g.start for g in groups]
+        total = [len(g.context) for g in groups]
+        cu_q, cu_k = np.cumsum([0, *new]), np.cumsum([0, *total])
+        ids = torch.tensor([t for g in groups for t in g.context[g.start :]], device=device)
+        positions = torch.from_numpy(np.concatenate([np.arange(g.start, len(g.context)) for g in groups]))
+        dst, src = _writes(groups, cu_q)
+        keys = np.concatenate([_slots_of(g.pages[0], np.arange(len(g.context))) for g in groups])
+        dst, src, keys = (torch.from_numpy(a).to(device) for a in (dst, src, keys))
+        cu_q_t, cu_k_t = (torch.tensor(a, device=device, dtype=torch.int32) for a in (cu_q, cu_k))
 
         def attend(layer: int, q, k, v):
-            self.cache.k[layer][dst_slot, dst_pos] = k[src]
-            self.cache.v[layer][dst_slot, dst_pos] = v[src]
-            if self.flash:
-                return flash_varlen(q, k, v, cu, cu, max(lens), max(lens), True)
-            return torch.cat(
-                [_causal(q[a:b], k[a:b], v[a:b]) for a, b in zip(starts, starts[1:], strict=False)]
-            )
+            k_all, v_all = self.cache.flat(layer)
+            k_all[dst], v_all[dst] = k[src], v[src]
+            k, v = k_all[keys], v_all[keys]
+            if self.flash:  # causal, aligned to the end: new token i of a group sees the prefix and i
+                return flash_varlen(q, k, v, cu_q_t, cu_k_t, max(new), max(total), True)
+            spans = zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False)
+            return torch.cat([_causal(q[a:b], k[c:d], v[c:d]) for a, b, c, d in spans])
 
-        last = torch.tensor(starts[1:], device=device) - 1
+        last = torch.tensor(cu_q[1:], device=device) - 1
         record = None
         if self.routed_shape:
             record = torch.zeros(len(ids), *self.routed_shape, dtype=torch.int32, device=device)
-        logits = self.decoder.forward(ids, positions, attend, last=last, record=record)
-        slots = torch.tensor([s for s, _ in writes], device=device)
-        tokens, logprobs = self.sampling.sample(
-            logits[torch.tensor([j for _, j in writes], device=device)], slots
-        )
+        logits = self.decoder.forward(ids, positions.to(device), attend, last=last, record=record)
+        owner = torch.tensor([j for j, g in enumerate(groups) for _ in g.slots], device=device)
+        slots = torch.tensor([s for g in groups for s in g.slots], device=device)
+        tokens, logprobs = self.sampling.sample(logits[owner], slots)
         self.tokens[slots] = tokens
-        self.positions[slots] = torch.tensor([lens[j] for _, j in writes], device=device)
+        self.positions[slots] = torch.tensor(
+            [total[j] for j, g in enumerate(groups) for _ in g.slots], device=device
+        )
         self.live[slots] = 1
         routed = None
         if record is not None:
             record = record.cpu().numpy()
-            routed = [record[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+            routed = [record[a:b] for a, b in zip(cu_q, cu_q[1:], strict=False)]
         return Prefilled(tokens.tolist(), logprobs.tolist(), routed)
 
     # --- decode --------------------------------------------------------------------------------------------
@@ -198,7 +230,8 @@ class Runner:
         logits = self._replay(batch) if self.use_graphs else self._decode_logits(batch)
         tokens, logprobs = self.sampling.sample(logits, slice(0, batch))
         self.tokens[:batch] = tokens
-        self.positions[:batch] = (self.positions[:batch] + self.live[:batch]).clamp_(max=self.slot_len - 1)
+        last = self.width * PAGE - 1
+        self.positions[:batch] = (self.positions[:batch] + self.live[:batch]).clamp_(max=last)
         flip, self._flip = self._flip, self._flip ^ 1
         out_tokens, out_logprobs = (t[:batch] for t in self._out[flip])
         out_tokens.copy_(tokens, non_blocking=True)
@@ -214,28 +247,34 @@ class Runner:
         return Fetched(out_tokens, out_logprobs, event, routed)
 
     def _decode_logits(self, batch: int) -> torch.Tensor:
-        positions, rows = self.positions[:batch], self._rows[:batch]
+        positions, table = self.positions[:batch], self.table[:batch]
         lengths = (positions + 1).to(torch.int32)
+        where = table[self._rows[:batch], positions // PAGE].long() * PAGE + positions % PAGE
         shape = self.decoder.shape
+        if self.kernel:
+            scale, splits = (
+                shape.head_dim**-0.5,
+                paged_decode.splits_for(batch, shape.kv_heads, self.width, self._sms),
+            )
+        else:  # every layer gathers the same positions: their pool rows once, [batch, span]
+            span = self.width if self.cuda else -(-int(lengths.max()) // PAGE)  # graphs need a fixed span
+            keys = _slots_of_pages(table[:, :span])
+            valid = torch.arange(span * PAGE, device=keys.device) < lengths[:, None]
 
         def attend(layer: int, q, k, v):
-            k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-            k_cache[rows, positions] = k
-            v_cache[rows, positions] = v
-            k_cache, v_cache = k_cache[:batch], v_cache[:batch]
-            if self.flash:
-                k_all, v_all = (t.view(-1, shape.kv_heads, shape.head_dim) for t in (k_cache, v_cache))
-                cu_q, cu_k = self._cu_q[: batch + 1], self._cu_k[: batch + 1]
-                return flash_varlen(q, k_all, v_all, cu_q, cu_k, 1, self.slot_len, False, lengths)
-            # GQA without copies: the query heads of one KV head are its "positions"; graphs need a fixed span.
-            span = self.slot_len if self.cuda else int(lengths.max())
+            k_all, v_all = self.cache.flat(layer)
+            k_all[where], v_all[where] = k, v
+            if self.kernel:
+                return paged_decode.paged_decode(
+                    q, self.cache.k[layer], self.cache.v[layer], table, lengths, scale, splits
+                )
+            # GQA without copies: the query heads of one KV head are its "positions". Unwritten positions may
+            # hold any bits (a resumed cache): NaN survives a mask (NaN - inf, 0 x NaN), so they are zeroed.
             group = shape.heads // shape.kv_heads
-            valid = torch.arange(span, device=q.device) < lengths[:, None]
-            # Positions never written hold any bits (a resumed cache): NaN survives a mask (NaN - inf, 0 x NaN).
-            keys, values = (torch.where(valid[:, :, None, None], t[:, :span], 0) for t in (k_cache, v_cache))
+            keys_, values = (torch.where(valid[:, :, None, None], t[keys], 0) for t in (k_all, v_all))
             out = F.scaled_dot_product_attention(
                 q.view(batch, shape.kv_heads, group, shape.head_dim),
-                keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None],
+                keys_.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None],
             )  # fmt: skip
             return out.reshape(batch, shape.heads, shape.head_dim)
 
@@ -263,18 +302,44 @@ class Runner:
     # --- slots ---------------------------------------------------------------------------------------------
 
     def free(self, slots: list[int]) -> None:
-        """Stop decoding ``slots``: their position stays 0, so a step reads one key of them."""
+        """Stop decoding ``slots``: their position stays 0 and their pages are the scratch page 0, so a step
+        writes and reads one harmless key of them."""
         index = torch.tensor(slots, device=self.decoder.device)
         self.live.index_fill_(0, index, 0)
         self.positions.index_fill_(0, index, 0)
+        self.table.index_fill_(0, index, 0)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Move a running row from slot ``src`` to the free slot ``dst``."""
-        self.cache.move(src, dst, length)
+    def move(self, src: int, dst: int) -> None:
+        """Move a running row from slot ``src`` to the free slot ``dst`` (its pages go with its table row)."""
         self.sampling.move(src, dst)
-        for t in (self.tokens, self.positions, self.live):
+        for t in (self.tokens, self.positions, self.live, self.table):
             t[dst] = t[src]
         self.free([src])
+
+
+def _slots_of(pages: list[int], positions: np.ndarray) -> np.ndarray:
+    """Pool rows (page * PAGE + offset) of ``positions`` of a row with ``pages``."""
+    return np.asarray(pages, dtype=np.int64)[positions // PAGE] * PAGE + positions % PAGE
+
+
+def _slots_of_pages(table: torch.Tensor) -> torch.Tensor:
+    """Pool rows of every position of the pages in ``table`` [rows, pages]: [rows, pages * PAGE]."""
+    offsets = torch.arange(PAGE, device=table.device)
+    return (table.long()[:, :, None] * PAGE + offsets).flatten(1)
+
+
+def _writes(groups: list[Group], cu_q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(pool rows, packed new tokens) of the keys and values a prefill writes: every row's new positions, a
+    pool row that several rows share written once."""
+    dst, src = [], []
+    for group, first in zip(groups, cu_q, strict=False):
+        new = np.arange(group.start, len(group.context))
+        for pages in group.pages:
+            dst.append(_slots_of(pages, new))
+            src.append(first + new - group.start)
+    dst_all, src_all = np.concatenate(dst), np.concatenate(src)
+    dst_all, unique = np.unique(dst_all, return_index=True)
+    return dst_all, src_all[unique]
 
 
 def _routed_shape(decoder: Decoder) -> tuple[int, int]:
@@ -286,12 +351,18 @@ def _routed_shape(decoder: Decoder) -> tuple[int, int]:
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of one prompt: q [T, H, D], k and v [T, Hkv, D]."""
+    """Causal attention of one row's new tokens q [Tq, H, D] over its context k, v [Tk, Hkv, D] (Tk >= Tq: the
+    new tokens are the last Tq, each seeing the prefix and itself)."""
+    offset = k.shape[0] - q.shape[0]
+    mask = (
+        torch.arange(k.shape[0], device=q.device)
+        <= offset + torch.arange(q.shape[0], device=q.device)[:, None]
+    )
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        is_causal=True,
+        attn_mask=mask,
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)

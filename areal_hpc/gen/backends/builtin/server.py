@@ -399,7 +399,7 @@ class BuiltinServer:
             spec.model_path, device=spec.device, dtype=spec.dtype, seed=spec.seed,
             max_batch_size=spec.max_running_requests, weight_version=spec.weight_version,
             mem_fraction_static=spec.mem_fraction_static, context_length=spec.context_length,
-            return_routed_experts=spec.enable_return_routed_experts,
+            max_total_tokens=spec.max_total_tokens, return_routed_experts=spec.enable_return_routed_experts,
         ).start()  # fmt: skip
         args = {k: v for k, v in dataclasses.asdict(spec).items() if k != "token_file"}
         args.update(
@@ -457,6 +457,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSpec, str | None]:
         "--context-length", type=int, default=None, help="longest prompt + answer (default: model's)"
     )
     p.add_argument(
+        "--max-total-tokens", type=int, default=None, help="cap on the KV pool's positions (SGLang's flag)"
+    )
+    p.add_argument(
         "--enable-return-routed-experts", action="store_true",
         help="record each token's routed experts (a mixture of experts) for requests with return_routed_experts",
     )  # fmt: skip
@@ -465,7 +468,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSpec, str | None]:
         ns.model_path, Path(ns.token_file), ns.host, ns.port, ns.device, dtype=ns.dtype, seed=ns.seed,
         max_running_requests=ns.max_batch_size, weight_version=ns.weight_version, cpu_threads=ns.num_threads,
         mem_fraction_static=ns.mem_fraction_static, context_length=ns.context_length,
-        enable_return_routed_experts=ns.enable_return_routed_experts,
+        max_total_tokens=ns.max_total_tokens, enable_return_routed_experts=ns.enable_return_routed_experts,
     )  # fmt: skip
     return spec, ns.address_file
 

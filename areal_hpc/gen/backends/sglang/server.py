@@ -30,6 +30,8 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
     cmd += ["--mem-fraction-static", str(spec.mem_fraction_static), "--dtype", spec.dtype or "bfloat16"]
     if spec.context_length is not None:
         cmd += ["--context-length", str(spec.context_length)]
+    if spec.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(spec.max_total_tokens)]
     # The client decodes the answers (gen.client); the original launched its servers so, and with metrics.
     cmd += ["--skip-tokenizer-init", "--enable-metrics", "--log-level", spec.log_level]
     if spec.memory_saver:  # without it release_memory_occupation frees nothing

@@ -1,0 +1,183 @@
+"""Decode attention over a paged KV pool, in Triton (flash-decoding with GQA packing).
+
+Why our own kernel: torch's FlashAttention op takes no block table, and its varlen decode reads every key once
+per *query* head. Here a program owns one kv head of one row and multiplies all G = H // HKV query heads that
+share it at once, so the pool is read once per kv head. Stage 1 splits a row's keys into ``splits`` ranges (to
+fill the GPU when few rows run); stage 2 merges the ranges by their log-sum-exp. Shapes depend only on B, HKV
+and ``splits``, never on lengths, so a step is CUDA-graph capturable. ``paged_decode_reference`` is the same
+in plain torch, for CPU and for checking the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU CI has no triton: only the reference runs there
+    triton = None
+
+PAGE = 16  # tokens per page of the KV pool
+LOG2E = 1.4426950408889634  # the kernel works in base 2 (exp2 is the native instruction)
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernel runs here (a CUDA device with triton importable, fp16/bf16/fp32)."""
+    if triton is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    ampere = torch.cuda.get_device_capability(device)[0] >= 8  # bf16 tl.dot needs sm80+
+    return ampere and dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def splits_for(batch: int, kv_heads: int, max_pages: int, sms: int) -> int:
+    """How many key ranges (flash-decoding splits) a step of `batch` rows uses: enough programs to fill the GPU
+    (~2 waves of `sms`), at least 1, at most max_pages. Pure function, used at CUDA-graph capture (static per
+    batch size)."""
+    programs = max(1, batch * kv_heads)
+    return max(1, min(max_pages, -(-2 * sms // programs)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, part_ptr, lse_ptr,
+        qk_scale, splits,
+        s_qb, s_qh, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh, s_tb,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE_: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        length = tl.load(len_ptr + b)
+        # this split's share of the row's key blocks (a split past the row's end gets none)
+        blocks = tl.cdiv(length, BLOCK_N)
+        per = tl.cdiv(blocks, splits)
+        lo = s * per
+        hi = tl.minimum(lo + per, blocks)
+
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        heads = kvh * G + g  # the query heads sharing kv head `kvh`; rows g >= G are padding for tl.dot
+        q_rows = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + d[None, :]
+        q = tl.load(q_rows, mask=g[:, None] < G, other=0.0)
+
+        m = tl.full([GP], float("-inf"), tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        row_table = table_ptr + b.to(tl.int64) * s_tb
+        for blk in range(lo, hi):
+            t = blk * BLOCK_N + n
+            valid = t < length
+            # per-token page lookup; int64 because a pool can exceed 2**31 elements
+            page = tl.load(row_table + t // PAGE_, mask=valid, other=0).to(tl.int64)
+            slot = t % PAGE_
+            k = tl.load(
+                k_ptr + (page * s_kp + slot * s_kt + kvh * s_kh)[:, None] + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + (page * s_vp + slot * s_vt + kvh * s_vh)[:, None] + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            # every block visited holds >= 1 valid key, so m_new is finite and exp2 never sees inf - inf
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            den = den * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+        # an empty split leaves den == 0: it writes zeros and lse -inf, which stage 2 weighs as 0
+        has = den > 0
+        o = acc / tl.where(has, den, 1.0)[:, None]
+        keep = g[:, None] < G
+        if DIRECT:  # one split: this is already the answer
+            out_rows = out_ptr + (b * tl.num_programs(1) * G + heads)[:, None] * D + d[None, :]
+            tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=keep)
+        else:
+            # part [B, H, splits, D], lse [B, H, splits]
+            at = (b * tl.num_programs(1) * G + heads) * splits + s
+            tl.store(part_ptr + at[:, None] * D + d[None, :], o, mask=keep)
+            tl.store(lse_ptr + at, tl.where(has, m + tl.log2(den), float("-inf")), mask=g < G)
+
+    @triton.jit
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, splits, D: tl.constexpr, SB: tl.constexpr):
+        row = tl.program_id(0)  # b * H + h
+        d = tl.arange(0, D)
+        i = tl.arange(0, SB)
+        m = tl.full([1], float("-inf"), tl.float32)
+        den = tl.zeros([1], tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        # splits in chunks of SB, merged online; split 0 always has keys, so m is finite after the first chunk
+        for c in range(0, splits, SB):
+            idx = c + i
+            lse = tl.load(lse_ptr + row * splits + idx, mask=idx < splits, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            w = tl.exp2(lse - m_new)
+            alpha = tl.exp2(m - m_new)
+            rows = (row * splits + idx)[:, None] * D
+            part = tl.load(part_ptr + rows + d[None, :], mask=(idx < splits)[:, None])
+            acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+            den = den * alpha + tl.sum(w, 0)
+            m = m_new
+        tl.store(out_ptr + row * D + d, (acc / den).to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(
+    q, k_pool, v_pool, table, lengths, scale: float, splits: int, *, block_n=None, warps=4, stages=3
+) -> torch.Tensor:
+    """q [B, H, D]; k_pool, v_pool [P, PAGE, HKV, D] (P pages, H % HKV == 0, GQA: query head h uses kv head
+    h // (H // HKV)); table [R, W] int32 with R >= B (row b's page ids in order: key position t of row b lives at
+    k_pool[table[b, t // PAGE], t % PAGE]); lengths [B] int32 (row b attends keys 0..lengths[b]-1; always >= 1).
+    Returns [B, H, D] in q's dtype. ``block_n``, ``warps``, ``stages``: the launch configuration (for tuning)."""
+    batch, heads, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    block_n = block_n or 64 * 2 // q.element_size()  # 16 KiB K tiles at D=128: fp32 halves the block (smem)
+    group = heads // kv_heads
+    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and q.stride(-1) == 1 and table.stride(-1) == 1
+    out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
+    part = lse = out  # unused placeholders when one split writes the answer directly
+    if splits > 1:
+        part = torch.empty(batch, heads, splits, dim, device=q.device, dtype=torch.float32)
+        lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    _split_kernel[(batch, kv_heads, splits)](
+        q, k_pool, v_pool, table, lengths.contiguous(), out, part, lse,
+        scale * LOG2E, splits,
+        q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], table.stride(0),
+        G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, PAGE_=PAGE, BLOCK_N=block_n,
+        DIRECT=splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(batch * heads,)](part, lse, out, splits, D=dim, SB=16, num_warps=4)
+    return out
+
+
+def paged_decode_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
+    """The same in plain torch (gather + masked softmax in float32), for CPU and for checking the kernel."""
+    batch, heads, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    width = table.shape[1]
+    lengths = lengths.long()
+    # table entries past a row's last page may be stale: read page 0 there (masked out below)
+    used = torch.arange(width, device=q.device)[None, :] < (lengths[:, None] + PAGE - 1) // PAGE
+    pages = torch.where(used, table[:batch].long(), 0)
+    k = k_pool[pages].reshape(batch, width * PAGE, kv_heads, dim).float()
+    v = v_pool[pages].reshape(batch, width * PAGE, kv_heads, dim).float()
+    qg = q.float().reshape(batch, kv_heads, heads // kv_heads, dim)  # GQA without copying keys per head
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale
+    valid = torch.arange(width * PAGE, device=q.device)[None, :] < lengths[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+    v = torch.where(valid[:, :, None, None], v, 0)  # unwritten positions may hold NaN bits: 0 x NaN is NaN
+    out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), v)
+    return out.reshape(batch, heads, dim).to(q.dtype)
