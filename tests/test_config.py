@@ -233,6 +233,7 @@ def test_megatron_takes_per_mfc_layouts_that_differ(tiny_model_dir):
             "allocation_mode=builtin.d4p1m1+actor_train:d2p1m2,actor_inf:d4p1m1",
             "ppo.kl_ctl=0",  # no reference model: no ref_inf to place
             "param_realloc_mode=disk",
+            "ppo.gen.max_new_tokens=1000",  # the tiny model's context is 2048
         ]
     )
     assert (mfc_spec(cfg, "actor_train").tensor, mfc_spec(cfg, "actor_inf").data) == (2, 4)

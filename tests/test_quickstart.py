@@ -4,6 +4,7 @@ dataset line and the install extras it shows are real."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -46,7 +47,11 @@ def at_site(argv: list[str], site: Path) -> list[str]:
 @pytest.fixture
 def site(tmp_path, tiny_build) -> Path:
     """/shared of the page: the model (the tiny one in its place) and a dataset of 1,000 prompts."""
-    shutil.copytree(tiny_build.model_dir, tmp_path / "models" / "Qwen3-1.7B")
+    model = shutil.copytree(tiny_build.model_dir, tmp_path / "models" / "Qwen3-1.7B")
+    config = json.loads(
+        (model / "config.json").read_text()
+    )  # its context as well: the recipe's answers fit it
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40960}))
     (tmp_path / "data").mkdir()
     shutil.copy(tiny_build.train_path, tmp_path / "data" / "math.jsonl")
     return tmp_path

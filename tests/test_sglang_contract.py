@@ -247,7 +247,12 @@ def test_both_servers_report_their_context_length_in_server_info(builtin_client)
 
 def routing_config(tiny_moe_dir, *overrides: str):
     """The shipped SGLang recipe on the tiny MoE, servers of tensor size 2, routing replay on."""
-    layout = ["allocation_mode=sglang.d2p1m2+d2p2m1", f"actor.path={tiny_moe_dir}"]
+    # Answers the tiny model's context (2048) holds.
+    layout = [
+        "allocation_mode=sglang.d2p1m2+d2p2m1",
+        f"actor.path={tiny_moe_dir}",
+        "ppo.gen.max_new_tokens=1000",
+    ]
     cfg = load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"], [*layout, *overrides])
     # No trainer backend replays the routing yet, so validation refuses rollout; the servers' side runs without it.
     return replace(cfg, actor=replace(cfg.actor, router_replay="rollout"))
@@ -268,7 +273,13 @@ def test_routing_replay_and_expert_parallel_servers_launch_with_sglang_s_own_fla
         and any(k.arg == "action" and getattr(k.value, "value", "") == "store_true" for k in node.keywords)
     }
     assert "--enable-return-routed-experts" in switches
-    off = commands(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"], [f"actor.path={tiny_moe_dir}"]), 4)
+    off = commands(
+        load_config(
+            [REPO / "configs/qwen3-1.7b-8gpu.yaml"],
+            [f"actor.path={tiny_moe_dir}", "ppo.gen.max_new_tokens=1000"],
+        ),
+        4,
+    )
     assert (
         "--enable-return-routed-experts" not in off and "--ep-size" not in off
     )  # the golden files' commands

@@ -117,6 +117,7 @@ def test_a_submission_without_sglang_installed_is_refused_before_anything_is_wri
 
     args = [str(REPO / "configs" / "qwen3-1.7b-8gpu.yaml")] + [
         f"actor.path={tiny_build.model_dir}", f"dataset.path={tiny_build.train_path}", f"cluster.fileroot={tmp_path}",
+        "ppo.gen.max_new_tokens=1000",  # the tiny model's context is 2048
     ]  # fmt: skip
     assert main(["submit", *args, "--dry-run"]) == 2  # this environment has no sglang (its kernels need CUDA)
     assert "servers are SGLang's, but sglang is not installed" in capsys.readouterr().err

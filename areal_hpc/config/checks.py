@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hpc import alloc
-from areal_hpc.config import extensions
+from areal_hpc.config import extensions, kv_pool
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems, moe_experts
 from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
@@ -463,6 +463,7 @@ def validate(cfg: ExperimentConfig, problems: list[str] | tuple = ()) -> None:
     problems += cross_field_problems(cfg) + router_replay_problems(cfg)
     if not problems:
         problems += allocation_problems(cfg)
+    problems += kv_pool.problems(cfg, _hf_config(cfg.actor.path))  # the longest row against the servers
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 

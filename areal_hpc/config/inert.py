@@ -143,6 +143,11 @@ RULES = (
         "it applies to SGLang servers only, and the generation backend is another",
     ),
     Rule(
+        ("cluster.gpu_memory_gib",), ("allocation_mode", "colocated_gen_backend", "experiment_type"),
+        lambda c: _gen_backend(c) not in ("builtin", None) or not _rl(c),
+        "it sizes the built-in server's KV cache at submission (generation backend builtin, experiment_type: ppo)",
+    ),
+    Rule(
         ("rollout.workflow",), ("experiment_type",), lambda c: not _rl(c),
         "a supervised warm-up (experiment_type: sft) runs no episodes",
     ),

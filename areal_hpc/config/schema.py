@@ -63,6 +63,12 @@ class ClusterConfig:
     )
     n_nodes: int = opt(1, "Number of nodes of the whole run.", ge=1)
     n_gpus_per_node: int = opt(8, "GPUs per node (on CPU: worker slots per node).", ge=1)
+    gpu_memory_gib: float | None = opt(
+        None,
+        "Memory of one GPU of the generation partition in GiB (80 for an H100, 141 for an H200); null: unknown, "
+        "the KV-cache check at submission is skipped.",
+        gt=0,
+    )
     slurm: SlurmConfig = opt(SlurmConfig, "Slurm options of the generated sbatch script.")
 
 
@@ -451,8 +457,8 @@ class ExperimentConfig:
     )
     max_running_requests: int = opt(
         256,
-        "Samples a generation server decodes together (SGLang's option; the built-in server's KV cache has a "
-        "slot for each); the rest wait in its queue.",
+        "Samples a generation server decodes together (SGLang's option; the built-in server's KV pool is shared "
+        "by them); the rest wait in its queue.",
         ge=1,
     )
     n_rollout_workers: int | None = opt(
