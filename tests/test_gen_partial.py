@@ -12,9 +12,14 @@ from transformers import AutoModelForCausalLM
 from areal_hpc.control.manifest import write_manifest
 from areal_hpc.gen.client import GenClient
 from areal_hpc.gen.partial import (
+    ABORT,
     Part,
+    answers_of,
+    cache_counts,
+    cache_stats,
     continuation_params,
     continuation_seed,
+    extend,
     from_response,
     generate_group,
     version_of,
@@ -172,3 +177,37 @@ def test_a_request_aborted_in_the_waiting_queue_is_an_empty_part_to_continue():
     meta = {"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "weight_version": "3"}
     part = from_response({"output_ids": [], "meta_info": meta})
     assert part.interrupted and part.output_ids == () and part.version_start == 3
+
+
+def answer(ids: list[int], finish: str, **meta) -> dict:
+    """A /generate response object for ``ids``, with the extra meta_info fields ``meta``."""
+    logprobs = [[-0.5, t, None] for t in ids]
+    info = {"finish_reason": {"type": finish}, "weight_version": "0", "output_token_logprobs": logprobs}
+    return {"output_ids": ids, "meta_info": info | meta}
+
+
+def test_an_answer_counts_its_prompt_tokens_and_those_the_server_had_cached():
+    part = from_response(answer([7], "stop", cached_tokens=3), prompt_tokens=4)
+    assert (part.prompt_tokens, part.cached_tokens) == (4, 3)
+    # An older server does not report cached_tokens: it cached nothing we know of.
+    assert from_response(answer([7], "stop"), prompt_tokens=4).cached_tokens == 0
+    # answers_of takes the prompt tokens from the ids it sent.
+    answers = answers_of(None, [answer([7], "stop", cached_tokens=c) for c in (0, 3)], PROMPT, {})
+    assert [(a.prompt_tokens, a.cached_tokens) for a in answers] == [(4, 0), (4, 3)]
+
+
+def test_an_answer_of_several_parts_sums_their_counts_and_counts_a_request_a_part():
+    first = from_response(answer([7], ABORT, cached_tokens=0), prompt_tokens=4)
+    queued = from_response(answer([], ABORT), prompt_tokens=5)  # aborted while queued: sent, nothing cached
+    last = from_response(answer([8, 9], "stop", cached_tokens=5), prompt_tokens=5)
+    whole = extend(extend(first, queued), last)
+    assert (whole.n_parts, whole.prompt_tokens, whole.cached_tokens) == (3, 14, 5)
+    single = from_response(answer([7], "stop", cached_tokens=4), prompt_tokens=4)
+    counts = cache_counts([whole, single])
+    assert counts == {"requests": 4, "prompt_tokens": 18, "cached_tokens": 9}
+    assert cache_stats(counts) == {
+        "rollout/cached_tokens_per_request": 9 / 4,
+        "rollout/cached_token_ratio": 9 / 18,
+    }
+    # Nothing sent (or a group's file written before the counts): 0, not a division by zero.
+    assert set(cache_stats({}).values()) == {0.0}

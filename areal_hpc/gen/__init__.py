@@ -31,9 +31,11 @@ from areal_hpc.gen.episodes import (
     repeats,
 )
 from areal_hpc.gen.journal import Journals
+from areal_hpc.gen.partial import CACHE_COUNTS, cache_stats
 from areal_hpc.gen.rollout import group_params, rollout_step, sampling_params
 
 __all__ = [
+    "CACHE_COUNTS",
     "EPISODE_COUNTS",
     "GIVEN_UP",
     "Episodes",
@@ -43,6 +45,7 @@ __all__ = [
     "RepeatedAgentError",
     "ServerSpec",
     "by_cause",
+    "cache_stats",
     "discovery",
     "episode_stats",
     "episodes_step",

@@ -40,7 +40,7 @@ from areal_hpc.agent import (
     to_openai,
 )
 from areal_hpc.gen.journal import Entry, Journal, Journals, request_key
-from areal_hpc.gen.partial import PartialAnswer, answers_of, finish
+from areal_hpc.gen.partial import PartialAnswer, answers_of, cache_counts, finish
 from areal_hpc.gen.transcript import Transcript
 from areal_hpc.monitor import TranscriptLog
 
@@ -112,7 +112,8 @@ class EpisodeContext:
         # The server's context where it reports one (a larger request is a 400 there), within the configured.
         self.max_context = min(filter(None, (services.max_context, client.context_length())), default=None)
         self.trajectories: list[Trajectory] = []
-        self.counts: Counter[str] = Counter()  # turns, interrupted_turns, breaks, drifted_turns, tool_*
+        # turns, interrupted_turns, breaks, drifted_turns, tool_*, and the prefix cache's (partial.CACHE_COUNTS)
+        self.counts: Counter[str] = Counter()
         self.tool_secs = 0.0
         self.session: dict = {}  # the tools' state in this episode (the python tool's earlier cells)
         self._cancel = threading.Event()
@@ -188,6 +189,7 @@ class EpisodeContext:
     async def _live(self, ids: list[int], params: dict, stop: Sequence[str]) -> Generation:
         answer = await asyncio.to_thread(self._sample, ids, params)
         self.counts["interrupted_turns"] += answer.n_parts > 1
+        self.counts.update(cache_counts([answer]))  # its requests (a replayed turn sent none)
         out, logprobs = list(answer.output_ids), list(answer.logprobs)
         versions = [v for part in answer.parts for v in [part.first] * part.tokens]
         ended, routing = "stop" if answer.finish == "stop" else "length", answer.routing

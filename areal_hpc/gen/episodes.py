@@ -34,6 +34,7 @@ from areal_hpc.data import write_batch
 from areal_hpc.gen.agents import Slots, agent_slots, command_agent, function_agent
 from areal_hpc.gen.endpoint import Endpoint
 from areal_hpc.gen.episode import EpisodeContext, Services
+from areal_hpc.gen.partial import CACHE_COUNTS, cache_stats
 from areal_hpc.gen.rollout import (
     Group,
     StepRollout,
@@ -379,11 +380,13 @@ def episodes_step(
     arrays = pack_episodes([[s for samples in g.result.samples for s in samples] for g in filled.kept], cfg)
     write_batch(path, arrays, {"n_prompts": len(filled.kept), "group_size": cfg.group_size})
     trained = ~arrays["prompt_mask"]
-    sampled = sum(g.result.counts["sampled_tokens"] for g in filled.kept + filled.dropped if g.result)
+    generated = [g.result.counts for g in filled.kept + filled.dropped if g.result]  # every group that ran
+    sampled = sum(c["sampled_tokens"] for c in generated)
     stats |= {
         "rollout/answer_len/avg": float(trained.sum() / len(arrays["rewards"])),
         "rollout/no_eos_ratio": float(arrays["seq_no_eos_mask"].mean()),
         "rollout/gen_tokens_per_s": sampled / max(secs, 1e-9),
+        **cache_stats({name: sum(c[name] for c in generated) for name in CACHE_COUNTS}),
         "timeperf/actor_gen": secs,
     }
     return step_rollout(path, stats, filled)

@@ -11,11 +11,14 @@ tokens is taken from the sender, who knows (a lower bound of) the version the se
 
 Under routing replay (gen.routing) an answer keeps the routed experts of the last request that added tokens to
 it: that request's prompt held every earlier token, so its routing covers the whole answer so far.
+
+Each request's prompt tokens, and those of them the server took from its prefix cache (SGLang's meta_info
+cached_tokens; a server that omits it cached none), are summed over the answer's parts (rollout statistics).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -47,6 +50,8 @@ class PartialAnswer:
     version_start: int
     version_end: int
     parts: tuple[Part, ...] = ()  # each request's part, in order
+    prompt_tokens: int = 0  # the prompt tokens its requests sent, summed over the parts
+    cached_tokens: int = 0  # of those, the ones the server took from its prefix cache (not prefilled again)
     # Routing replay: [prompt + output_ids - 1, layers, top_k] expert ids of the last request (gen.routing).
     routing: np.ndarray | None = field(default=None, compare=False, repr=False)
 
@@ -75,12 +80,13 @@ def version_of(label) -> int:
 
 
 def from_response(
-    response: dict, min_version: int | None = None, routing: np.ndarray | None = None
+    response: dict, min_version: int | None = None, routing: np.ndarray | None = None, prompt_tokens: int = 0
 ) -> PartialAnswer:
     """The first part of an answer, from one /generate response object (a request aborted while still
     queued has no tokens, and SGLang then sends no logprobs). ``min_version``: the version the sender knew
     the server held when it sent, where a server may pause the request in place across an update (its
-    response then reports only the version at its end). ``routing``: its decoded routing (`answers_of`)."""
+    response then reports only the version at its end). ``routing``: its decoded routing (`answers_of`).
+    ``prompt_tokens``: the length of the ids the request sent."""
     meta = response["meta_info"]
     ids = tuple(int(t) for t in response["output_ids"])
     logprobs = tuple(float(item[0]) for item in meta.get("output_token_logprobs") or ())
@@ -88,9 +94,10 @@ def from_response(
         raise ValueError(f"server returned {len(ids)} tokens but {len(logprobs)} logprobs")
     last = version_of(meta.get("weight_version"))  # the server's when the request ended
     first = last if min_version is None else min(min_version, last)
-    return PartialAnswer(
-        ids, logprobs, meta["finish_reason"]["type"], first, last, (Part(len(ids), first, last),), routing
-    )
+    cached = int(meta.get("cached_tokens") or 0)  # an older server omits it
+    part = Part(len(ids), first, last)
+    finish = meta["finish_reason"]["type"]
+    return PartialAnswer(ids, logprobs, finish, first, last, (part,), prompt_tokens, cached, routing)
 
 
 def answers_of(
@@ -101,7 +108,7 @@ def answers_of(
     shape = shape_of(params)
     where = getattr(client, "where", None) or getattr(client, "url", "the generation server")
     return [
-        from_response(r, min_version, decode(r, len(prompt), shape, where) if shape else None)
+        from_response(r, min_version, decode(r, len(prompt), shape, where) if shape else None, len(prompt))
         for r in responses
     ]
 
@@ -115,9 +122,35 @@ def extend(answer: PartialAnswer, part: PartialAnswer) -> PartialAnswer:
         finish=part.finish,
         version_end=part.version_end,
         parts=answer.parts + part.parts,
+        prompt_tokens=answer.prompt_tokens + part.prompt_tokens,
+        cached_tokens=answer.cached_tokens + part.cached_tokens,
         # the last request that added tokens: one aborted while queued added none, and forwarded nothing
         routing=answer.routing if part.routing is None else part.routing,
     )
+
+
+CACHE_COUNTS = ("requests", "prompt_tokens", "cached_tokens")  # what `cache_stats` is computed from
+
+
+def cache_counts(answers: Iterable[PartialAnswer]) -> dict[str, int]:
+    """The requests ``answers`` took (one per part), the prompt tokens they sent and those of them cached."""
+    answers = list(answers)
+    return {
+        "requests": sum(a.n_parts for a in answers),
+        "prompt_tokens": sum(a.prompt_tokens for a in answers),
+        "cached_tokens": sum(a.cached_tokens for a in answers),
+    }
+
+
+def cache_stats(counts: Mapping[str, float]) -> dict[str, float]:
+    """The prefix cache's statistics from summed `cache_counts` (a count missing is 0: a group's file written
+    before they were counted): the cached tokens per request, and the share of the prompt tokens sent that the
+    servers did not prefill again."""
+    requests, prompt, cached = (counts.get(name, 0) for name in CACHE_COUNTS)
+    return {
+        "rollout/cached_tokens_per_request": cached / max(requests, 1),
+        "rollout/cached_token_ratio": cached / max(prompt, 1),
+    }
 
 
 def continuation_params(params: dict, answer: PartialAnswer, index: int) -> dict:

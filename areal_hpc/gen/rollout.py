@@ -30,7 +30,7 @@ from areal_hpc.agent import Sample
 from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, data_parallel_size, gen_backend
 from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.client import ROUTED_EXPERTS
-from areal_hpc.gen.partial import PartialAnswer, answers_of
+from areal_hpc.gen.partial import PartialAnswer, answers_of, cache_counts, cache_stats
 from areal_hpc.gen.routing import BATCH_KEY, model_shape, packed
 
 logger = logging.getLogger("rollout")
@@ -319,11 +319,13 @@ def rollout_step(
     arrays["rewards"] = scores(success, cfg)
     write_batch(path, arrays, {"n_prompts": len(groups), "group_size": cfg.group_size})
     answer_lens = [len(a.output_ids) for group in groups for a in group]
-    generated = [len(a.output_ids) for g in filled.kept + filled.dropped for a in g.result or ()]
+    answers = [a for g in filled.kept + filled.dropped for a in g.result or ()]  # every answer generated
+    generated = [len(a.output_ids) for a in answers]
     stats = {
         "rollout/answer_len/avg": float(np.mean(answer_lens)),
         "rollout/no_eos_ratio": float(arrays["seq_no_eos_mask"].mean()),
         "rollout/gen_tokens_per_s": sum(generated) / max(gen_secs, 1e-9),
+        **cache_stats(cache_counts(answers)),
         "timeperf/actor_gen": gen_secs,
         "timeperf/rew_inf": time.monotonic() - start - gen_secs,
     } | stats

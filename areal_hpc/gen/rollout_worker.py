@@ -28,7 +28,7 @@ from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSam
 from areal_hpc.gen.client import GenerationStopped
 from areal_hpc.gen.episodes import Episodes, FirstGroups, GroupDropped, kept_count
 from areal_hpc.gen.manager import GenerationManager
-from areal_hpc.gen.partial import generate_group
+from areal_hpc.gen.partial import CACHE_COUNTS, cache_counts, generate_group
 from areal_hpc.gen.rollout import equal_rewards, group_params, pack_episodes, pack_groups, scores
 
 logger = logging.getLogger("rollout")
@@ -142,6 +142,7 @@ class RolloutWorker:
             "worker": self.index,
             "gen_secs": time.time() - birth,
             "n_interrupted": sum(a.n_parts > 1 for a in answers),
+            **cache_counts(answers),  # the prefix cache's statistics (master.sources)
         }
         ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True
@@ -172,6 +173,7 @@ class RolloutWorker:
         arrays["birth_time"] = np.full(len(arrays["rewards"]), birth, dtype=np.float64)
         attrs = {"query_id": prompt.query_id, "epoch": epoch, "worker": self.index, "gen_secs": result.secs,
                  "n_interrupted": result.counts["interrupted_turns"], "episodes": len(result.rewards),
+                 **{name: result.counts[name] for name in CACHE_COUNTS},
                  **{f"episode_{name}": float(n) for name, n in result.counts.items() if kept_count(name)}}  # fmt: skip
         ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True

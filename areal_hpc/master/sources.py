@@ -33,9 +33,11 @@ from areal_hpc.data import (
     write_batch,
 )
 from areal_hpc.gen import (
+    CACHE_COUNTS,
     GIVEN_UP,
     RepeatedAgentError,
     by_cause,
+    cache_stats,
     episode_stats,
     episodes_step,
     repeats,
@@ -275,6 +277,8 @@ def rollout_stats(paths: list[Path], attrs: list[dict], dropped: list[dict] = ()
         "rollout/no_eos_ratio": float(np.mean(no_eos)),
         "rollout/interrupted_answers": float(sum(a["n_interrupted"] for a in attrs)),
         "rollout/gen_secs/avg": float(np.mean([a["gen_secs"] for a in attrs])),
+        # a group's file written before these were counted has none: 0
+        **cache_stats({name: sum(a.get(name, 0) for a in attrs) for name in CACHE_COUNTS}),
     }
     if any("episodes" in a for a in attrs):
         counts = Counter()
