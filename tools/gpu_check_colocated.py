@@ -11,6 +11,13 @@ Issue 32's workload (a GRPO step of 16 prompts x 8 answers of 1,024 tokens, the 
 
     python tools/gpu_check_colocated.py --steps 3 --shape 1.5b --group-size 8 --max-new-tokens 1024 --mem-fraction 0.5
 
+Issue 45's (answers up to 8,192 tokens with a long tail: ``--eos-ids 50`` makes 50 ids spread over the vocabulary
+end an answer, so a random model's near-uniform draws end one after ~vocab/50 tokens, a geometric tail cut by
+the budget)::
+
+    python tools/gpu_check_colocated.py --steps 3 --shape 1.5b --group-size 8 --max-new-tokens 8192 \
+        --mem-fraction 0.5 --eos-ids 50
+
 Samples every process's GPU memory (nvidia-smi) during the run and prints the server's: held while it
 generates, and left while the trainer trains. Exits 1 when the run fails, a step did not release and resume
 the server's memory, or the server kept more than a fifth of its weights' memory while released.
@@ -70,12 +77,22 @@ def main() -> int:
     parser.add_argument(
         "--mem-fraction", type=float, default=None, help="sglang.mem_fraction_static: the server's share"
     )
+    parser.add_argument(
+        "--eos-ids",
+        type=int,
+        default=0,
+        help="ids spread over the vocabulary that end an answer (long tails)",
+    )
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-colocated-") as root:
         model = Path(root) / "model"
         n_params = build_model(ns.shape, model, "cuda")
         for name in ("tokenizer.json", "tokenizer_config.json"):  # the toy's prompts; its ids are in range
             shutil.copy(TINY / "model" / name, model / name)
+        if ns.eos_ids:
+            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+            eos = list(range(vocab // ns.eos_ids // 2, vocab, vocab // ns.eos_ids))[: ns.eos_ids]
+            (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
         cfg = load_config(
             [REPO / "configs/toy-cpu.yaml"],
             [
@@ -125,7 +142,8 @@ def main() -> int:
             tokens = ns.prompts * ns.group_size * r["rollout/answer_len/avg"]
             print(f"step {r['step']}: e2e {r['timeperf/e2e']:.1f} s, release {r['timeperf/release_memory']:.2f} s, "
                   f"resume {r['timeperf/resume_memory']:.2f} s, weight update {r['timeperf/weight_sync']:.2f} s, "
-                  f"{tokens:.0f} tokens generated: {tokens / r['timeperf/e2e']:.0f} tokens/s of the step; "
+                  f"{tokens:.0f} tokens generated (answers at the budget: {r['rollout/no_eos_ratio']:.2f}): "
+                  f"{tokens / r['timeperf/e2e']:.0f} tokens/s of the step; "
                   + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.startswith("timeperf/")))  # fmt: skip
         ok &= len(steps) == ns.steps
         print("colocated check:", "OK" if ok else "FAILED")

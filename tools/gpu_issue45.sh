@@ -4,6 +4,7 @@
 # logs to $OUT/<part>.log and writes $OUT/<part>.json; the script exits non-zero when a part failed.
 #   tools/gpu_issue45.sh kernel engine short    # the paged kernel, the engine's CUDA checks, short answers
 #   tools/gpu_issue45.sh long episodes          # long-tailed 7B answers, 64 8-turn episodes at 1.5B
+#   tools/gpu_issue45.sh colocated              # GRPO steps of 1,024 and 8,192 long-tailed tokens (carry .whl too)
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 BASE=.cache/engine-baseline-45/areal_hpc/gen/backends/builtin
@@ -22,6 +23,13 @@ long() {
 episodes() {
   python3 tools/bench_gen_long.py --device cuda --mode episodes --shape 1.5b --max-batch 64 --baseline $BASE \
     --out $OUT/episodes.json
+}
+colocated() {  # needs the carried wheels (.whl) and .cache/tiny: the run's roles import the whole stack
+  source tools/gpu_env.sh
+  for tokens in 1024 8192; do
+    python3 tools/gpu_check_colocated.py --steps 3 --shape 1.5b --group-size 8 --max-new-tokens $tokens \
+      --mem-fraction 0.5 --eos-ids 50
+  done
 }
 nvidia-smi -L
 for part in "$@"; do
