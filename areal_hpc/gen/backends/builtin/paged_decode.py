@@ -4,15 +4,14 @@ Why our own kernel: torch's FlashAttention op takes no block table, and its varl
 per *query* head. Here a program owns one kv head of one row and multiplies all G = H // HKV query heads that
 share it at once, so the pool is read once per kv head. Stage 1 splits a row's keys into ``splits`` ranges (to
 fill the GPU when few rows run); stage 2 merges the ranges by their log-sum-exp. Shapes depend only on B, HKV
-and ``splits``, never on lengths, so a step is CUDA-graph capturable. ``paged_decode_reference`` is the same
-in plain torch, for CPU and for checking the kernel.
+and ``splits``, never on lengths, so a step is CUDA-graph capturable. ``gathered_decode`` is decode attention
+without the kernel (CPU), and ``paged_decode_reference`` the kernel in plain torch, for checking it.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -163,21 +162,33 @@ def paged_decode(
     return out
 
 
-def paged_decode_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
-    """The same in plain torch (gather + masked softmax in float32), for CPU and for checking the kernel."""
+def pool_rows(table: torch.Tensor) -> torch.Tensor:
+    """Pool rows (page * PAGE + offset) of every position of the pages in ``table`` [rows, pages]:
+    [rows, pages * PAGE]."""
+    return (table.long()[:, :, None] * PAGE + torch.arange(PAGE, device=table.device)).flatten(1)
+
+
+def gathered_decode(q, k_flat, v_flat, rows, valid, scale=None) -> torch.Tensor:
+    """Decode attention without the kernel: q [B, H, D] over the keys at pool ``rows`` [B, span] of k_flat and
+    v_flat [positions, Hkv, D], those where ``valid`` [B, span]. GQA without copies: the query heads of one KV
+    head are its "positions". Positions not valid may hold any bits (a resumed cache): NaN survives a mask
+    (NaN - inf, 0 x NaN), so they are zeroed. The engine's path on CPU (and on a GPU without triton)."""
     batch, heads, dim = q.shape
-    kv_heads = k_pool.shape[2]
-    width = table.shape[1]
-    lengths = lengths.long()
-    # table entries past a row's last page may be stale: read page 0 there (masked out below)
-    used = torch.arange(width, device=q.device)[None, :] < (lengths[:, None] + PAGE - 1) // PAGE
-    pages = torch.where(used, table[:batch].long(), 0)
-    k = k_pool[pages].reshape(batch, width * PAGE, kv_heads, dim).float()
-    v = v_pool[pages].reshape(batch, width * PAGE, kv_heads, dim).float()
-    qg = q.float().reshape(batch, kv_heads, heads // kv_heads, dim)  # GQA without copying keys per head
-    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale
-    valid = torch.arange(width * PAGE, device=q.device)[None, :] < lengths[:, None]
-    scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-    v = torch.where(valid[:, :, None, None], v, 0)  # unwritten positions may hold NaN bits: 0 x NaN is NaN
-    out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), v)
-    return out.reshape(batch, heads, dim).to(q.dtype)
+    kv_heads = k_flat.shape[1]
+    keys, values = (torch.where(valid[:, :, None, None], t[rows], 0) for t in (k_flat, v_flat))
+    out = F.scaled_dot_product_attention(
+        q.view(batch, kv_heads, heads // kv_heads, dim),
+        keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None], scale=scale,
+    )  # fmt: skip
+    return out.reshape(batch, heads, dim)
+
+
+def paged_decode_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
+    """The same as ``paged_decode`` in plain torch, in float32, for checking the kernel."""
+    batch, width = q.shape[0], table.shape[1]
+    # table entries past a row's last page may be stale: read page 0 there (masked out)
+    used = torch.arange(width, device=q.device)[None, :] < (lengths.long()[:, None] + PAGE - 1) // PAGE
+    rows = pool_rows(torch.where(used, table[:batch].long(), 0))
+    valid = torch.arange(width * PAGE, device=q.device)[None, :] < lengths.long()[:, None]
+    k_flat, v_flat = (t.reshape(-1, *t.shape[2:]).float() for t in (k_pool, v_pool))
+    return gathered_decode(q.float(), k_flat, v_flat, rows, valid, scale).to(q.dtype)

@@ -258,7 +258,7 @@ class Runner:
             )
         else:  # every layer gathers the same positions: their pool rows once, [batch, span]
             span = self.width if self.cuda else -(-int(lengths.max()) // PAGE)  # graphs need a fixed span
-            keys = _slots_of_pages(table[:, :span])
+            keys = paged_decode.pool_rows(table[:, :span])
             valid = torch.arange(span * PAGE, device=keys.device) < lengths[:, None]
 
         def attend(layer: int, q, k, v):
@@ -268,15 +268,7 @@ class Runner:
                 return paged_decode.paged_decode(
                     q, self.cache.k[layer], self.cache.v[layer], table, lengths, scale, splits
                 )
-            # GQA without copies: the query heads of one KV head are its "positions". Unwritten positions may
-            # hold any bits (a resumed cache): NaN survives a mask (NaN - inf, 0 x NaN), so they are zeroed.
-            group = shape.heads // shape.kv_heads
-            keys_, values = (torch.where(valid[:, :, None, None], t[keys], 0) for t in (k_all, v_all))
-            out = F.scaled_dot_product_attention(
-                q.view(batch, shape.kv_heads, group, shape.head_dim),
-                keys_.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None],
-            )  # fmt: skip
-            return out.reshape(batch, shape.heads, shape.head_dim)
+            return paged_decode.gathered_decode(q, k_all, v_all, keys, valid)
 
         record = self._routed[:batch] if self.routed_shape else None
         return self.decoder.forward(self.tokens[:batch], positions, attend, static=True, record=record)
@@ -320,12 +312,6 @@ class Runner:
 def _slots_of(pages: list[int], positions: np.ndarray) -> np.ndarray:
     """Pool rows (page * PAGE + offset) of ``positions`` of a row with ``pages``."""
     return np.asarray(pages, dtype=np.int64)[positions // PAGE] * PAGE + positions % PAGE
-
-
-def _slots_of_pages(table: torch.Tensor) -> torch.Tensor:
-    """Pool rows of every position of the pages in ``table`` [rows, pages]: [rows, pages * PAGE]."""
-    offsets = torch.arange(PAGE, device=table.device)
-    return (table.long()[:, :, None] * PAGE + offsets).flatten(1)
 
 
 def _writes(groups: list[Group], cu_q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
