@@ -194,6 +194,19 @@ def cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(ns: argparse.Namespace) -> int:
+    from areal_hpc.monitor import write_trace
+
+    try:
+        out, table = write_trace(one_run(ns), Path(ns.out) if ns.out else None, ns.steps, ns.cuda)
+    except (FileNotFoundError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(table)
+    print(f"trace: {out} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def cmd_episodes(ns: argparse.Namespace) -> int:
     from areal_hpc.monitor import show_episodes
 
@@ -337,6 +350,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arg(plot)
     plot.add_argument("--out", help="folder of the PNGs (default: the run's logs/plots)")
     plot.set_defaults(func=cmd_plot)
+    trace = verbs.add_parser(
+        "trace", help="where a run's time went: a Perfetto trace of every role and a per-step table"
+    )
+    add_run_arg(trace)
+    trace.add_argument("--steps", metavar="A:B", help="only global steps A to B (A:, :B, N too)")
+    trace.add_argument("--out", help="the trace file (default: the run's logs/trace.json)")
+    trace.add_argument(
+        "--cuda", action="store_true",
+        help="add the trainers' torch.profiler traces of logging.profile_step (CUDA kernels on a GPU)",
+    )  # fmt: skip
+    trace.set_defaults(func=cmd_trace)
     episodes = verbs.add_parser(
         "episodes", help="print the transcripts of a run's episodes (rollout.transcript_groups groups a step)"
     )

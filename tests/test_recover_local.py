@@ -20,6 +20,7 @@ from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
 from areal_hpc.launch.run_status import status_lines
+from areal_hpc.monitor import read_timeline, steps_of
 from areal_hpc.monitor.stats import read_stats
 from tests.helpers import child_pids, role_pids
 
@@ -102,6 +103,13 @@ def test_usr2_checkpoints_at_the_end_of_the_step_and_the_next_attempt_resumes_th
     assert "Dumped recover info to file." in first and "Preempted" in first
     assert "resumes from recover checkpoint" in second
     assert_exactly_once(run, 5, 4)
+    # The timeline keeps both attempts: the steps of the first, then those the second ran.
+    events, _ = read_timeline(run.timeline)
+    steps = [(s.attempt, s.step) for s in steps_of(events)]
+    first, second = ([step for a, step in steps if a == attempt] for attempt in (0, 1))
+    assert steps == [(0, s) for s in first] + [(1, s) for s in second], steps
+    assert first == list(range(1, len(first) + 1)) and second == list(range(len(first) + 1, 6)), steps
+    assert {e.task for e in events if e.attempt == 1} >= {"controller", "trainer0", "gen_server0"}
     assert re.search(
         r"recover checkpoint: global step [23], written \d+:\d\d:\d\d ago", "\n".join(status_lines(run))
     )

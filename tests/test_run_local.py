@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import submitit
 
+from areal_hpc import cli
 from areal_hpc.control.ledger import Ledger
 from areal_hpc.control.rundir import RunDir, create_run_dir, run_dir_of
 from areal_hpc.control.status import get_status
 from areal_hpc.launch.local import run_local
 from areal_hpc.launch.roles import role_main
+from areal_hpc.monitor import read_timeline, step_rows, steps_of
 from areal_hpc.monitor.stats import read_stats
 from tests.helpers import role_pids, tensorboard_scalars
 
@@ -27,7 +29,7 @@ TWO_TRAINERS = ("allocation_mode=builtin.d1p1m1+d2p1m1", "cluster.n_nodes=1", "c
 
 
 def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
-    cfg = toy.config("t3", 3, *TWO_TRAINERS, "max_running_requests=6")
+    cfg = toy.config("t3", 3, *TWO_TRAINERS, "max_running_requests=6", "logging.profile_step=2")
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
     assert get_status(run).state == "COMPLETE"
@@ -47,6 +49,30 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
     server_log = (run.attempt_logs(0) / "gen_server0.log").read_text()
     counters = json.loads(server_log.split("engine counters: ", 1)[1].splitlines()[0])
     assert counters["max_batch_rows"] == 6  # max_running_requests: of 4 prompts x 2 answers, 2 wait
+    # Where the time went (`areal-hpc trace`): a track per role and rank; the controller's parts of each step
+    # (rollout, the model calls, the publication, ...) cover all of it but 5%.
+    assert cli.main(["trace", str(run.root)]) == 0
+    print(capsys.readouterr().out)
+    trace = json.loads((run.logs / "trace.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert tracks == {"controller", "trainer0", "trainer1", "gen_server0"}
+    events, skipped = read_timeline(run.timeline)
+    rows = step_rows(events, steps_of(events))
+    assert skipped == 0 and [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 <= r["other"] < 0.05 * r["wall"] for r in rows), rows
+    assert all(r["actor_train"] > 0 and r["idle trainer"] < 1 and r["idle gen_server"] < 1 for r in rows)
+    # Step 2's trainer calls under torch.profiler, joined to the trace on its clock.
+    profiles = sorted(p.name for p in run.timeline.glob("profile.*"))
+    assert profiles == [
+        f"profile.{mfc}.step2.trainer{r}.json" for mfc in ("actor_inf", "actor_train") for r in (0, 1)
+    ]
+    assert (
+        cli.main(["trace", str(run.root), "--steps", "2", "--cuda", "--out", str(run.root / "t2.json")]) == 0
+    )
+    trace = json.loads((run.root / "t2.json").read_text())["traceEvents"]
+    step2 = next(e for e in trace if e["name"] == "step")
+    matmuls = [e for e in trace if e["name"] == "aten::mm"]
+    assert matmuls and all(step2["ts"] <= e["ts"] <= step2["ts"] + step2["dur"] for e in matmuls)
 
 
 def start_run(toy, trial: str, *extra: str, sigint_ignored: bool = False) -> tuple[subprocess.Popen, Path]:

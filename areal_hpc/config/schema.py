@@ -368,6 +368,14 @@ class LoggingConfig:
         "offline", "offline: `wandb sync` uploads the run later (compute nodes rarely reach the internet).",
         choices=("offline", "online"),
     )  # fmt: skip
+    timeline: bool = opt(
+        True, "Every role records its phases in logs/timeline/ (under 1% of a step's time); `areal-hpc trace` "
+        "turns them into a Perfetto trace and a per-step table of where the time went.",
+    )  # fmt: skip
+    profile_step: int = opt(
+        0, "Global step whose trainer calls each rank profiles with torch.profiler (CUDA kernels on a GPU) "
+        "into logs/timeline/; `areal-hpc trace --cuda` adds them to the trace. 0: none.", ge=0,
+    )  # fmt: skip
 
 
 @dataclass

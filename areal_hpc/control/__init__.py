@@ -11,9 +11,10 @@ worker     WorkerServer: a worker's request loop with blocking requests and hook
 heartbeat  Heartbeat thread, last_beat, dead_workers
 status     status.json: RUNNING, COMPLETE, ABORTED (final); why_stop: is the run over for a serving role?
 ledger     Ledger: consumed sample ids per step
+timeline   every role's phases as events in a file of its own (span, instant); monitor/trace.py reads them
 """
 
-from areal_hpc.control import fsio
+from areal_hpc.control import fsio, timeline
 from areal_hpc.control.context import LAUNCHER_ENV, SINGLE_ROLES, RunContext, task_name
 from areal_hpc.control.heartbeat import Heartbeat, dead_workers, last_beat
 from areal_hpc.control.ledger import Ledger, LedgerRecord
@@ -86,6 +87,7 @@ __all__ = [
     "set_status",
     "snapshot_bytes",
     "task_name",
+    "timeline",
     "user_root",
     "verify_snapshot",
     "why_stop",

@@ -191,6 +191,15 @@ class RunDir:
         return self.logs / "stats.jsonl"
 
     @property
+    def timeline(self) -> Path:
+        """Every role process's phases as events (control/timeline.py), which `areal-hpc trace` reads; the
+        trainers' torch.profiler traces of `logging.profile_step`."""
+        return self.logs / "timeline"
+
+    def timeline_file(self, task: str, attempt: int) -> Path:
+        return self.timeline / f"{task}.attempt{attempt}.jsonl"
+
+    @property
     def tensorboard(self) -> Path:
         """TensorBoard event files of the statistics (logging.tensorboard)."""
         return self.logs / "tensorboard"

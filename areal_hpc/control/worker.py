@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from areal_hpc.control import timeline
 from areal_hpc.control.flush import BLOCKING, FLUSH, STOP, flush_plan
 from areal_hpc.control.heartbeat import Heartbeat
 from areal_hpc.control.mailbox import Inbox, Request
@@ -29,6 +30,16 @@ logger = logging.getLogger(__name__)
 
 class WorkerStopped(RuntimeError):
     """The reply to a request that was queued when the worker stopped."""
+
+
+def _labels(payload: Any) -> dict[str, Any]:
+    """What names a request on the timeline: the model function call it runs, its step (1-based, as logged)."""
+    if not isinstance(payload, dict):
+        return {}
+    labels = {k: payload[k] for k in ("mfc", "model") if isinstance(payload.get(k), str)}
+    if isinstance(payload.get("global_step"), int):
+        labels["step"] = payload["global_step"] + 1
+    return labels
 
 
 def _lookup(table: Mapping[str, Callable] | object, name: str) -> Callable | None:
@@ -127,7 +138,8 @@ class WorkerServer:
             if request.type == "empty":
                 return None
             raise LookupError(f"worker {self.name!r} has no handler for request type {request.type!r}")
-        return fn(request.payload)
+        with timeline.span(request.type, **_labels(request.payload)):
+            return fn(request.payload)
 
     def _run_hook(self, request: Request, hook: dict, phase: str) -> None:
         fn = _lookup(self.hooks, hook["name"])

@@ -26,6 +26,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 from urllib.parse import urlsplit
 
+from areal_hpc.control import timeline
+
 log = logging.getLogger(__name__)
 
 
@@ -135,6 +137,7 @@ class GenClient:
         name: str | None = None,
     ):
         self.url, self.token, self.timeout, self.tokenizer = url.rstrip("/"), token, timeout, tokenizer
+        self.name = name or self.url
         self.where = f"{name} ({self.url})" if name else self.url  # how errors name the server
         self.admission = admission(self.url, capacity) if capacity is not None else None
         self._local = threading.local()  # this thread's kept-alive connection
@@ -359,7 +362,9 @@ class GenClient:
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         data = json.dumps(body).encode() if body is not None else None
-        status, raw = self._exchange(method, route, data, headers, timeout or self.timeout)
+        # The run's timeline: what each server was asked to do and when (GETs are polls, not work).
+        with timeline.span(route[1:], server=self.name, overlap=True) if method == "POST" else nullcontext():
+            status, raw = self._exchange(method, route, data, headers, timeout or self.timeout)
         if status >= 400:
             raise GenServerError(self.where, route, status, _error_message(raw))
         try:

@@ -28,6 +28,7 @@ import numpy as np
 
 from areal_hpc.agent import Sample
 from areal_hpc.config import GEN_BACKENDS, ExperimentConfig, data_parallel_size, gen_backend
+from areal_hpc.control import timeline
 from areal_hpc.data import PromptSample, write_batch
 from areal_hpc.gen.client import ROUTED_EXPERTS
 from areal_hpc.gen.partial import PartialAnswer, answers_of, cache_counts, cache_stats
@@ -281,12 +282,14 @@ def answer_groups(
     """Each prompt's group_size answers, generated and scored; the groups and the generation seconds."""
     start = time.monotonic()
     params = [group_params(cfg, p.query_id, epoch) for p in prompts]
-    generated = generate_groups(clients, prompts, params)
+    with timeline.span("generate"):
+        generated = generate_groups(clients, prompts, params)
     gen_secs = time.monotonic() - start
     items = [
         (text, p, a.output_ids) for p, group in zip(prompts, generated, strict=True) for a, text in group
     ]
-    success = np.asarray(rewards.score_batch(items), dtype=np.float32)
+    with timeline.span("reward"):
+        success = np.asarray(rewards.score_batch(items), dtype=np.float32)
     cuts = np.cumsum([len(group) for group in generated])[:-1]
     groups = [
         Group(p, epoch, s, [answer for answer, _ in group])
@@ -317,7 +320,8 @@ def rollout_step(
     groups = [g.result for g in filled.kept]
     arrays = pack_groups([g.prompt for g in filled.kept], groups, success)
     arrays["rewards"] = scores(success, cfg)
-    write_batch(path, arrays, {"n_prompts": len(groups), "group_size": cfg.group_size})
+    with timeline.span("write_batch"):
+        write_batch(path, arrays, {"n_prompts": len(groups), "group_size": cfg.group_size})
     answer_lens = [len(a.output_ids) for group in groups for a in group]
     answers = [a for g in filled.kept + filled.dropped for a in g.result or ()]  # every answer generated
     generated = [len(a.output_ids) for a in answers]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.config import ExperimentConfig
-from areal_hpc.control import Ledger
+from areal_hpc.control import Ledger, timeline
 from areal_hpc.data import PromptDataset, PromptSample, RolloutStore, ShardedSampler, read_attrs
 from areal_hpc.gen.client import GenerationStopped
 from areal_hpc.gen.episodes import Episodes, FirstGroups, GroupDropped, kept_count
@@ -126,7 +126,8 @@ class RolloutWorker:
             ctx.manager.close_group(group)
         texts = [ctx.tokenizer.decode(list(a.output_ids), skip_special_tokens=True) for a in answers]
         items = [(text, prompt, a.output_ids) for text, a in zip(texts, answers, strict=True)]
-        success = np.asarray(ctx.rewards.score_batch(items), np.float32)
+        with timeline.span("reward", overlap=True):  # rollout threads score side by side
+            success = np.asarray(ctx.rewards.score_batch(items), np.float32)
         if cfg.dynamic_sampling and equal_rewards(success):
             ctx.store.put_dropped(self.index, sequence, birth, prompt.query_id, epoch, reason="equal_rewards")
             return False
@@ -144,7 +145,8 @@ class RolloutWorker:
             "n_interrupted": sum(a.n_parts > 1 for a in answers),
             **cache_counts(answers),  # the prefix cache's statistics (master.sources)
         }
-        ctx.store.put(self.index, sequence, birth, arrays, attrs)
+        with timeline.span("store_put", overlap=True):
+            ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True
 
     def episodes(self, client, prompt: PromptSample, sequence: int, epoch: int, birth: float) -> bool:
@@ -175,7 +177,8 @@ class RolloutWorker:
                  "n_interrupted": result.counts["interrupted_turns"], "episodes": len(result.rewards),
                  **{name: result.counts[name] for name in CACHE_COUNTS},
                  **{f"episode_{name}": float(n) for name, n in result.counts.items() if kept_count(name)}}  # fmt: skip
-        ctx.store.put(self.index, sequence, birth, arrays, attrs)
+        with timeline.span("store_put", overlap=True):
+            ctx.store.put(self.index, sequence, birth, arrays, attrs)
         return True
 
 

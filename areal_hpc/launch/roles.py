@@ -23,7 +23,16 @@ import traceback
 from pathlib import Path
 
 from areal_hpc.config import ConfigError, InputError, allocation_of
-from areal_hpc.control import EXIT_PERMANENT, LAUNCHER_ENV, SINGLE_ROLES, Heartbeat, RunContext, RunDir, abort
+from areal_hpc.control import (
+    EXIT_PERMANENT,
+    LAUNCHER_ENV,
+    SINGLE_ROLES,
+    Heartbeat,
+    RunContext,
+    RunDir,
+    abort,
+    timeline,
+)
 from areal_hpc.launch.plan import role_tasks
 from areal_hpc.recover import EXIT_PREEMPTED, Preempted, RecoverError, current_attempt
 
@@ -111,6 +120,10 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES")  # the job step's GPUs, for GPU binding issues
         logging.info("%s on %s, attempt %d%s", name, socket.gethostname(), ctx.attempt,
                      f", CUDA_VISIBLE_DEVICES={gpus}" if gpus else "")  # fmt: skip
+        if ctx.cfg.logging.timeline:
+            timeline.record(
+                run.timeline_file(name, ctx.attempt), attempt=ctx.attempt, host=socket.gethostname()
+            )
         # The controller beats for servers in a job of their own, the rollout role for the controller. A failure
         # is recorded (abort) before the heartbeat says "stopped", so that servers report its cause.
         with Heartbeat(run.heartbeats, name) if role in SINGLE_ROLES else contextlib.nullcontext():
@@ -127,6 +140,8 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
         logging.error("%s failed%s:\n%s", name, " (not retried)" if permanent else "", traceback.format_exc())
         abort(run, f"{type(exc).__name__}: {exc}", name, permanent)
         return EXIT_PERMANENT if permanent else 1
+    finally:
+        timeline.stop()
     return 0
 
 

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from areal_hpc.config import ExperimentConfig, allocation_of, mfc_spec
-from areal_hpc.control import RunDir, fsio
+from areal_hpc.control import RunDir, fsio, timeline
 from areal_hpc.data import CU, PromptDataset, read_batch, read_keys
 from areal_hpc.eval import make_executor
 from areal_hpc.gen import Episodes, Journals, is_single_turn, make_services
@@ -140,16 +140,22 @@ class Master:
         return self.evaluate.history
 
     def step(self) -> None:
+        """One global step; on the run's timeline a `step` span (all of it) holding a span for each part."""
         start, step = time.monotonic(), self.counter.global_step
-        batch = self.source.next(step)
-        stats = dict(batch.stats) | self.turns.to_trainers()  # colocated: the servers free the shared GPUs
-        n_samples = self.add(batch, birth=start)
-        for mfc in self.graph:
-            stats |= self.run_mfc(mfc, step, n_samples)
-        if self.rl:
-            stats |= self.publish()
-        self.source.consumed(step, batch)
-        self.finish_step(stats, start)
+        with timeline.span("step", step=step + 1):
+            with timeline.span("rollout"):
+                batch = self.source.next(step)
+            # Colocated: the servers free the shared GPUs.
+            stats = dict(batch.stats) | self.turns.to_trainers()
+            with timeline.span("buffer"):
+                n_samples = self.add(batch, birth=start)
+            for mfc in self.graph:
+                with timeline.span(mfc.name):
+                    stats |= self.run_mfc(mfc, step, n_samples)
+            if self.rl:
+                stats |= self.publish()
+            self.source.consumed(step, batch)
+            self.finish_step(stats, start)
 
     def finish_step(self, stats: dict[str, float], step_start: float) -> None:
         c = self.counter
@@ -157,21 +163,25 @@ class Master:
         c.step_secs.append(secs)
         c.global_step += 1
         stats["timeperf/e2e"] = secs
-        self.stats.write(c.global_step, stats)
-        self.guard.step_done()
-        self.checkpointer.finish(wait=False)  # seal a checkpoint whose shards were written during the step
-        self.checkpoint_evals.poll()
+        with timeline.span("log"):
+            self.stats.write(c.global_step, stats)
+            self.guard.step_done()
+            self.checkpointer.finish(wait=False)  # seal a checkpoint whose shards were written in the step
+            self.checkpoint_evals.poll()
         logger.info(step_line(c, secs))
         metric, value = ("reward", stats.get(REWARD)) if self.rl else ("loss", stats.get("sft/loss"))
         write_progress(self.rundir.progress, c.global_step, c.total_steps, metric, value, c.eta_secs())
         epoch_done, last = int(c.epoch_step == 0), c.done
         if self.save_ctl.check(epochs=epoch_done, steps=1) or last:
-            self.save()
+            with timeline.span("save"):
+                self.save()
         if self.eval_ctl.check(epochs=epoch_done, steps=1) and not self.guard.urgent:
-            self.evaluate(c.global_step)
+            with timeline.span("evaluate"):
+                self.evaluate(c.global_step)
         due = self.ckpt_ctl.check(epochs=epoch_done, steps=1)
         if self.cfg.recover_mode != "disabled" and not last and (due or self.guard.stop_after_step):
-            self.checkpointer.save(c.global_step, wait=bool(self.guard.stop_after_step))
+            with timeline.span("checkpoint"):
+                self.checkpointer.save(c.global_step, wait=bool(self.guard.stop_after_step))
         if self.guard.stop_after_step and not last:
             raise Preempted(f"{self.guard.stop_after_step}: stopped after global step {c.global_step}")
 
@@ -226,7 +236,8 @@ class Master:
         try:
             if self.guard.urgent:  # the servers are stopping too; a resume republishes the trainers' weights
                 raise RuntimeError("not sent after SIGTERM")
-            stats = self.turns.publish(lambda: self.publisher.publish(version))
+            with timeline.span("publish", version=version):
+                stats = self.turns.publish(lambda: self.publisher.publish(version))
         except Exception as exc:
             if not self.guard.urgent:  # SIGTERM may come while the servers take the weights
                 raise
@@ -255,7 +266,8 @@ class Master:
         if resume_from is None:
             rewind(self.rundir, 0, 0)
         else:
-            self.checkpointer.load(resume_from)
+            with timeline.span("resume", checkpoint=str(resume_from)):
+                self.checkpointer.load(resume_from)
             rewind(self.rundir, c.global_step, c.version, resume_from)
             if c.version:  # the servers started from actor.path: give them the restored weights
                 self.publish(new_version=False)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from areal_hpc.control import timeline
+
 
 class Turns:
     """Who holds the shared GPUs: the servers (after `publish`) or the trainers (after `to_trainers`)."""
@@ -25,7 +27,8 @@ class Turns:
         if not self.colocated or self.trainers_hold:
             return {}
         start = time.monotonic()
-        self._each(lambda c: c.release_memory_occupation(None, self.timeout))
+        with timeline.span("release_memory"):
+            self._each(lambda c: c.release_memory_occupation(None, self.timeout))
         self.trainers_hold = True
         return {"timeperf/release_memory": time.monotonic() - start}
 
@@ -34,9 +37,12 @@ class Turns:
         if not self.trainers_hold:
             return publish()
         start = time.monotonic()
-        self._each(lambda c: c.resume_memory_occupation(["weights"], self.timeout))
-        stats = publish()
-        self._each(lambda c: c.resume_memory_occupation(["kv_cache", "cuda_graph"], self.timeout))
+        with timeline.span("resume_memory", tags="weights"):
+            self._each(lambda c: c.resume_memory_occupation(["weights"], self.timeout))
+        with timeline.span("update_weights"):
+            stats = publish()
+        with timeline.span("resume_memory", tags="kv_cache"):
+            self._each(lambda c: c.resume_memory_occupation(["kv_cache", "cuda_graph"], self.timeout))
         self.trainers_hold = False
         resumed = time.monotonic() - start - stats.get("timeperf/weight_sync", 0.0)
         return stats | {"timeperf/resume_memory": resumed}

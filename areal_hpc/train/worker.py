@@ -19,6 +19,7 @@ their handles for the servers of its host) and `unshare_weights` once the server
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from areal_hpc.config import MFCS_OF, ExperimentConfig, mfc_spec, trainer_models
-from areal_hpc.control import RunContext, WorkerServer, fsio, task_name
+from areal_hpc.control import RunContext, WorkerServer, fsio, task_name, timeline
 from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
 from areal_hpc.train.backends import TrainEngine, make_engine
@@ -42,13 +43,17 @@ logger = logging.getLogger("trainer")
 SHARDS, TRAINERS, RNG = "shards", "trainers.json", "rng"
 # The models that only answer inference calls: the reference policy (KL penalty), the teacher (distillation).
 INFERENCE_ONLY = ("ref", "teacher")
+PROFILE_PREFIX = "profile."  # logs/timeline/profile.<mfc>.step<N>.trainer<rank>.json
 
 
 class TrainerHandlers:
     """The request types a trainer rank answers; engines are built by `initialize`."""
 
-    def __init__(self, cfg: ExperimentConfig, rank: int, world_size: int, host: str = "127.0.0.1"):
+    def __init__(
+        self, cfg: ExperimentConfig, rank: int, world_size: int, host: str = "127.0.0.1", profile_dir=None
+    ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.profile_dir = profile_dir  # where `profiled` writes (the run's timeline folder)
         self.host = host  # where the servers reach this rank's weight-group store
         self.engines: dict[str, TrainEngine] = {}
         self.actor = interfaces.actor_interface(cfg)  # actor_inf, actor_train, sft_train
@@ -109,7 +114,11 @@ class TrainerHandlers:
         self._stale |= {mfc for mfc, (name, _) in self.copies.items() if name == model}
 
     def inference(self, payload: dict) -> dict:
-        mfc, batch = payload["mfc"], gather(payload["refs"])
+        with self.profiled(payload):
+            return self._inference(payload)
+
+    def _inference(self, payload: dict) -> dict:
+        mfc, batch = payload["mfc"], _load(payload)
         ppo, temperature = self.cfg.ppo, self.cfg.ppo.gen.temperature
         if mfc not in ("actor_inf", "ref_inf", "teacher_inf", "critic_inf"):
             raise ValueError(f"trainer cannot run inference call {mfc!r} (ppo options {ppo.disable_value=})")
@@ -127,11 +136,16 @@ class TrainerHandlers:
         else:
             out = interfaces.critic_inference(engine, batch, mb_spec)
         if payload["out"]:  # one rank of each data-parallel replica writes its outputs
-            write_batch(payload["out"], {CU: batch[CU], **out})
+            with timeline.span("write_outputs"):
+                write_batch(payload["out"], {CU: batch[CU], **out})
         return {"path": payload["out"], "stats": stats}
 
     def train_step(self, payload: dict) -> dict:
-        mfc, batch, cfg = payload["mfc"], gather(payload["refs"]), self.cfg
+        with self.profiled(payload):
+            return self._train_step(payload)
+
+    def _train_step(self, payload: dict) -> dict:
+        mfc, batch, cfg = payload["mfc"], _load(payload), self.cfg
         if mfc in ("actor_train", "sft_train"):
             stats = self.actor.train_step(
                 self.engines["actor"], batch, cfg.actor_train.mb_spec, global_step=payload.get("global_step")
@@ -149,6 +163,23 @@ class TrainerHandlers:
         self._trained(model)
         self._reserve(model)
         return {"stats": stats}
+
+    @contextlib.contextmanager
+    def profiled(self, payload: dict) -> Iterator[None]:
+        """The call under torch.profiler (CUDA kernels on a GPU) if its step is `logging.profile_step`: a
+        Chrome trace per call and rank in logs/timeline/, which `areal-hpc trace --cuda` merges."""
+        step = payload.get("global_step", -1) + 1
+        if self.profile_dir is None or step != self.cfg.logging.profile_step:
+            yield
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            yield
+        path = self.profile_dir / f"{PROFILE_PREFIX}{payload['mfc']}.step{step}.trainer{self.rank}.json"
+        prof.export_chrome_trace(str(path))
+        logger.info("rank %d: profile of %s at step %d in %s", self.rank, payload["mfc"], step, path)
 
     def _reserve(self, name: str) -> None:
         """After a model's first step, when its optimizer state exists: make the CPU buffers its recover
@@ -280,7 +311,7 @@ def serve_trainer(ctx: RunContext) -> None:
     """Join the trainer process group, then serve this rank's mailbox until the master says stop."""
     rank, world_size = ctx.index, ctx.n_tasks
     dist.init_distributed(rank, world_size, ctx.run.dist_init, host=ctx.public_host, attempt=ctx.attempt)
-    handlers = TrainerHandlers(ctx.cfg, rank, world_size, ctx.public_host)
+    handlers = TrainerHandlers(ctx.cfg, rank, world_size, ctx.public_host, ctx.run.timeline)
     try:
         WorkerServer(ctx.run, ctx.name, handlers).serve()
     finally:
@@ -288,6 +319,11 @@ def serve_trainer(ctx: RunContext) -> None:
         if handlers.saver is not None:
             handlers.saver.close()
         dist.destroy()
+
+
+def _load(payload: dict):
+    with timeline.span("load_batch"):
+        return gather(payload["refs"])
 
 
 def _keys(out: Any) -> str:

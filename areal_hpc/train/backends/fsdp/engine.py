@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_hpc.algo import align_next_token
 from areal_hpc.config import MicroBatchSpec, ModelConfig
+from areal_hpc.control import timeline
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
@@ -172,14 +173,16 @@ class FSDPEngine(RecoverState):
         optimizer.zero_grad(set_to_none=True)
         self.net.train()
         total = 0.0
-        for mb_arrays in _same_count(list(micro_batches)):
-            mb = to_torch(EMPTY_MB if mb_arrays is None else mb_arrays, self.device)
-            outputs = self._run(mb, temperature)
-            loss = next(iter(outputs.values())).sum() * 0.0 if mb_arrays is None else loss_fn(outputs, mb)
-            loss.backward()
-            total += loss.item()
+        with timeline.span("forward_backward", micro_batches=len(micro_batches)):
+            for mb_arrays in _same_count(list(micro_batches)):
+                mb = to_torch(EMPTY_MB if mb_arrays is None else mb_arrays, self.device)
+                outputs = self._run(mb, temperature)
+                loss = next(iter(outputs.values())).sum() * 0.0 if mb_arrays is None else loss_fn(outputs, mb)
+                loss.backward()
+                total += loss.item()
         self.net.eval()
-        return {"loss": total, **self._step(skip is not None and skip())}
+        with timeline.span("optimizer"):
+            return {"loss": total, **self._step(skip is not None and skip())}
 
     def _step(self, skip: bool) -> dict[str, float]:
         params = [p for p in self.net.parameters() if p.requires_grad]

@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from areal_hpc.algo import align_next_token
 from areal_hpc.config import MicroBatchSpec, ModelConfig
+from areal_hpc.control import timeline
 from areal_hpc.data import CU, select
 from areal_hpc.data import ROUTED_EXPERTS as ROUTED
 from areal_hpc.train import dist
@@ -350,14 +351,15 @@ class MegatronEngine:
         if self.moe is not None:
             self.moe.start_step(sum(int(mb[CU][-1]) for mb in mbs if "empty" not in mb), self.groups.dp)
         self.model.train()
-        results = self._schedule(mbs, temperature, loss_fn)
+        with timeline.span("forward_backward", micro_batches=len(mbs)):
+            results = self._schedule(mbs, temperature, loss_fn)
         self.model.eval()
         total = torch.tensor(sum(float(r["loss"]) for r in results), dtype=torch.float64, device=self.device)
         self._from_last_stage(total)  # the losses live on the last stage
         lr = self.optimizer.param_groups[0]["lr"]
         updated, grad_norm = False, math.nan  # skipped: megatron computes the norm in its step only
         if skip is None or not skip():
-            with on_device():
+            with on_device(), timeline.span("optimizer"):
                 updated, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
         self._set_lr()

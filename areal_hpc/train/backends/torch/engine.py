@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from areal_hpc.config import MicroBatchSpec, ModelConfig
+from areal_hpc.control import timeline
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
@@ -159,8 +160,10 @@ class TorchEngine(RecoverState):
         (before clipping) and ``lr`` (the rate this step used). ``skip``: see ``TrainEngine``.
         """
         self._require_optimizer().zero_grad(set_to_none=True)
-        loss = self.backward(micro_batches, loss_fn, temperature)
-        return {"loss": loss, **self.step(skip is not None and skip())}
+        with timeline.span("forward_backward", micro_batches=len(micro_batches)):
+            loss = self.backward(micro_batches, loss_fn, temperature)
+        with timeline.span("optimizer"):
+            return {"loss": loss, **self.step(skip is not None and skip())}
 
     def backward(
         self, micro_batches: Sequence[Mapping[str, np.ndarray]], loss_fn: LossFn, temperature: float = 1.0

@@ -1,0 +1,123 @@
+"""The run's timeline: every role process appends its phases, as events, to a file of its own on shared storage.
+
+    timeline.record(run.timeline_file("trainer0", attempt))       # once, when the role starts
+    with timeline.span("train_step", step=3, mfc="actor_train"):  # anywhere in the role's code
+        ...
+
+An event is one line of JSON: its name, start (Unix seconds), duration (seconds) and arguments. ``overlap=True``
+marks a span that runs beside others of the same process (a generation request among hundreds in flight); the
+others nest. ``server=i`` names the generation server a span waits on (`areal-hpc trace` shows it on the
+server's track too). Lines are buffered and appended by a daemon thread once a second and at exit, so an event
+costs a clock read, a dict and a lock; a process that dies loses at most its last second, and a torn last line
+is skipped by the reader (monitor/trace.py). In a process that records nothing (tests, tools) a span costs a
+global lookup.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+FLUSH_SECS = 1.0
+
+
+class Recorder:
+    """Buffers events and appends them to `path` (one writer per file) every `flush_secs` and on `close`."""
+
+    def __init__(self, path: str | os.PathLike, flush_secs: float = FLUSH_SECS):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._flush_every, args=(flush_secs,), daemon=True)
+        self._thread.start()
+
+    def add(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":"), default=str)
+        with self._lock:
+            self._lines.append(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            lines, self._lines = self._lines, []
+        if not lines:
+            return
+        try:
+            with open(self.path, "a") as f:
+                f.write("\n".join(lines) + "\n")
+        except OSError:  # shared storage away for a moment: the lines wait for the next flush
+            with self._lock:
+                self._lines[:0] = lines
+            raise
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+        self.flush()
+
+    def _flush_every(self, secs: float) -> None:
+        while not self._closed.wait(secs):
+            with contextlib.suppress(OSError):
+                self.flush()
+
+
+_recorder: Recorder | None = None
+# A forked child (a sandbox's worker) has no flushing thread: it records nothing unless it calls `record`.
+os.register_at_fork(after_in_child=lambda: globals().update(_recorder=None))
+
+
+def record(path: str | os.PathLike | None, **first: Any) -> None:
+    """This process's events go to `path` from now on (None: nowhere); `first`: arguments of a `start` event
+    that opens the file's record (attempt, host, ...)."""
+    global _recorder
+    stop()
+    if path is not None:
+        _recorder = Recorder(path)
+        atexit.register(stop)
+        instant("start", **first)
+
+
+def stop() -> None:
+    """Write what is buffered and record nothing more."""
+    global _recorder
+    recorder, _recorder = _recorder, None
+    if recorder is not None:
+        recorder.close()
+
+
+def recording() -> bool:
+    return _recorder is not None
+
+
+@contextmanager
+def span(name: str, **args: Any) -> Iterator[dict[str, Any]]:
+    """Record the block as a span `name`; the yielded dict takes arguments known only inside it."""
+    recorder = _recorder
+    if recorder is None:
+        yield args
+        return
+    start, clock = time.time(), time.perf_counter()
+    try:
+        yield args
+    finally:
+        recorder.add({"name": name, "ts": start, "dur": time.perf_counter() - clock, **args})
+
+
+def add_span(name: str, start: float, secs: float, **args: Any) -> None:
+    """A span measured by the caller: `start` in Unix seconds."""
+    if _recorder is not None:
+        _recorder.add({"name": name, "ts": start, "dur": secs, **args})
+
+
+def instant(name: str, **args: Any) -> None:
+    if _recorder is not None:
+        _recorder.add({"name": name, "ts": time.time(), **args})
