@@ -13,8 +13,8 @@ Weight publication over a broadcast group (`areal_hpc.weights`), answered on arr
 (serve the group's store; reply its address), `init_weight_group` (join as rank 0 once every server joins;
 reply the bucket plan) and `destroy_weight_group`, asked of rank 0 alone; `broadcast_weights`, asked of every
 rank: the actor's full weights are gathered tensor by tensor on all ranks, and rank 0 sends them. Colocated
-(`weight_update_mode: tensor`): `share_weights` (every rank gathers; rank 0 holds the full weights and replies
-their handles for the servers of its host) and `unshare_weights` once the servers copied them.
+(`weight_update_mode: tensor`): `share_weights` (every rank gathers; the ranks named hold the full weights and
+reply their handles for the server on their GPU) and `unshare_weights` once the servers copied them.
 """
 
 from __future__ import annotations
@@ -288,11 +288,18 @@ class TrainerHandlers:
         weights = self._actor_weights_on_rank0()
         return {} if weights is None else self.weight_sender.send(weights)
 
-    def share_weights(self, payload: Any) -> dict:
-        """Rank 0: hold the actor's full weights and reply them serialized, `{"serialized", "bytes"}` (a
-        CUDA IPC handle each: the servers on this rank's GPUs copy from them); other ranks: help gather, `{}`."""
-        weights = self._actor_weights_on_rank0()
-        return {} if weights is None else self.shared_weights.share(weights)
+    def share_weights(self, payload: dict) -> dict:
+        """Every rank gathers the actor's full weights (a collective); the `ranks` named in the payload hold
+        them and reply them serialized, `{"serialized", "bytes"}` (a CUDA IPC handle each: the server on this
+        rank's GPU copies from them); the others reply `{}`."""
+        weights = self.engines["actor"].hf_weights()
+        if self.rank in payload.get("ranks", [0]):
+            shared = self.shared_weights.share(weights)
+            timeline.instant("weights_shared", bytes=shared["bytes"], version=payload.get("version"))
+            return shared
+        for _ in weights:
+            pass
+        return {}
 
     def unshare_weights(self, payload: Any) -> dict:
         self.shared_weights.release()

@@ -13,9 +13,10 @@ while each server receives them, one ``/update_weights_from_distributed`` reques
 ``manifest.json`` is written last; every server loads it with ``/update_weights_from_disk``; the previous
 snapshot is removed.
 
-``TensorPublisher`` (``weight_update_mode: tensor``, colocated): every trainer rank gathers the full weights,
-rank 0 holds them and shares them by CUDA IPC handles (``shared.py``); every server copies them with
-``/update_weights_from_tensor`` (SGLang's API); then rank 0 drops them. No disk and no copy on the way.
+``TensorPublisher`` (``weight_update_mode: tensor``, colocated): every trainer rank gathers the full weights and
+holds them, sharing them by CUDA IPC handles (``shared.py``); each server's TP ranks copy them from the trainer
+ranks on their own GPUs with ``/update_weights_from_tensor`` (SGLang's API); then the ranks drop them. No disk,
+no copy on the way, and no GPU read by the servers of other GPUs.
 
 The parts of one step run concurrently and are awaited together within ``timeout`` seconds: a part that fails
 or does not finish in time raises ``WeightSyncError`` naming the server or trainer rank and why, so the run
@@ -223,38 +224,53 @@ class DiskPublisher:
 
 
 class TensorPublisher:
-    """Publishes to colocated servers by handing them trainer rank 0's tensors (``weights/shared.py``): every
-    rank gathers the full weights, rank 0 shares them, each server copies them, then rank 0 lets them go."""
+    """Publishes to colocated servers by handing them the trainers' tensors (``weights/shared.py``): every rank
+    gathers the full weights, the ranks in ``sources`` share them, each TP rank of server i copies from the
+    trainer rank ``sources[i][tp_rank]`` (the one on its GPU: no GPU is read by more than its own server), then
+    the ranks let them go."""
 
     def __init__(
         self,
         trainers,
         clients: Sequence,
-        timeout: float = 300.0,
-        abort_all_requests: bool = True,
-        tp_size: int = 1,
+        sources: Sequence[Sequence[int]],
+        timeout=300.0,
+        abort_all_requests=True,
     ):
-        self.trainers, self.clients, self.tp_size = trainers, list(clients), tp_size
+        self.trainers, self.clients, self.sources = trainers, list(clients), [list(s) for s in sources]
         self.timeout, self.abort_all = timeout, abort_all_requests
+        if len(self.sources) != len(self.clients):
+            raise ValueError(
+                f"{len(self.clients)} servers but the trainer ranks of {len(self.sources)} to share to"
+            )
 
     def publish(self, version: int) -> dict[str, float]:
         start, call_t = time.monotonic(), self.timeout + MARGIN_S
+        ranks = sorted({r for s in self.sources for r in s})
         try:
             shared = run_all(
-                {TRAINER: lambda: self.trainers.call_each("share_weights", {"version": version}, call_t)[0]},
+                {TRAINER: lambda: self.trainers.call_each("share_weights", {"version": version, "ranks": ranks},
+                                                          call_t)},
                 call_t + MARGIN_S, f"sharing the weights of version {version}",
             )[TRAINER]  # fmt: skip
-            entries = [shared["serialized"]] * self.tp_size  # each TP rank maps the same memory
             tasks = {
-                server_name(i, c): lambda c=c: c.update_weights_from_tensor(
-                    entries, version, abort_all_requests=self.abort_all, timeout=call_t
+                server_name(i, c): lambda c=c, src=src: c.update_weights_from_tensor(
+                    [shared[r]["serialized"] for r in src], version, abort_all_requests=self.abort_all,
+                    timeout=call_t,
                 )
-                for i, c in enumerate(self.clients)
-            }
+                for i, (c, src) in enumerate(zip(self.clients, self.sources, strict=True))
+            }  # fmt: skip
             run_all(tasks, call_t + MARGIN_S, f"copying the shared weights of version {version}")
-        finally:  # the servers are done with them, or failed: the trainer's memory goes back either way
-            self.trainers.call_one(0, "unshare_weights", None, call_t)
-        return {"timeperf/weight_sync": time.monotonic() - start, "weight_sync/bytes": float(shared["bytes"])}
+        finally:  # the servers are done with them, or failed: the trainers' memory goes back either way
+            self.trainers.call_each("unshare_weights", None, call_t)
+        secs = time.monotonic() - start
+        return {"timeperf/weight_sync": secs, "weight_sync/bytes": float(shared[ranks[0]]["bytes"])}
+
+
+def share_sources(servers: Sequence, n_trainers: int) -> list[list[int]]:
+    """For each colocated server, the trainer rank each of its TP ranks copies the weights from: the one on the
+    same GPU (the trainer step runs rank r on the job's GPU r)."""
+    return [[gpu if gpu < n_trainers else 0 for gpu in server.gpus] for server in servers]
 
 
 def make_publisher(cfg, run, trainers, clients: Sequence):
@@ -267,5 +283,6 @@ def make_publisher(cfg, run, trainers, clients: Sequence):
         bucket = cfg.weight_update_bucket_mb * 2**20
         return BroadcastPublisher(trainers, clients, timeout, bucket, interrupt, tp_size=tp)
     if cfg.weight_update_mode == "tensor":
-        return TensorPublisher(trainers, clients, timeout, interrupt, tp_size=allocation_of(cfg).gen_tensor)
+        sources = share_sources(allocation_of(cfg).gen_servers(), trainers.n_ranks)
+        return TensorPublisher(trainers, clients, sources, timeout, interrupt)
     raise ValueError(f"unknown weight_update_mode {cfg.weight_update_mode!r}")
