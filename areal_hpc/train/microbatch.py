@@ -51,6 +51,16 @@ def token_indices(cu_seqlens: np.ndarray, seqs: list[int]) -> np.ndarray:
     return np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seqs])
 
 
+def in_packed_order(cu_seqlens: np.ndarray, parts: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """Per-token values of micro-batches (the sequences of each and its values, on any device) in the batch's
+    packed order, float32 on the CPU: one copy to the host for them all, not a wait per micro-batch."""
+    out = torch.zeros(int(cu_seqlens[-1]), dtype=torch.float32)
+    if parts:
+        index = np.concatenate([token_indices(cu_seqlens, seqs) for seqs, _ in parts])
+        out[torch.from_numpy(index)] = torch.cat([values.float() for _, values in parts]).cpu()
+    return out
+
+
 def micro_batch_groups(lengths: list[int], mb_spec: MicroBatchSpec) -> list[list[int]]:
     """Sequence indices of each micro-batch: first-fit-decreasing under ``max_tokens_per_mb``, then at least
     ``n_mbs`` groups (or one per sequence when there are fewer) by halving the heaviest group.

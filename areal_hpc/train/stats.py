@@ -8,6 +8,7 @@ Three kinds, as in the original's statistics: masked per-token (or per-sequence)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -16,37 +17,46 @@ from areal_hpc.algo import MaskedStat
 from areal_hpc.train import dist
 
 
-def _value(x: torch.Tensor | float) -> float:
-    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+def _scalar(x: torch.Tensor | float) -> torch.Tensor:
+    return x.detach().double() if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
 class StatsTracker:
-    """Accumulates statistics on this rank; ``reduce`` combines all ranks."""
+    """Accumulates statistics on this rank; ``reduce`` combines all ranks. Values stay where they were made
+    (a GPU's loss statistics on the GPU) until ``reduce``: no host sync per micro-batch."""
 
     def __init__(self) -> None:
-        self._masked: dict[str, list[float]] = {}  # name -> [sum, count, min, max]
-        self._totals: dict[str, float] = {}
-        self._means: dict[str, list[float]] = {}  # name -> [sum, calls]
+        self._masked: dict[str, torch.Tensor] = {}  # name -> [sum, count, min, max]
+        self._totals: dict[str, torch.Tensor] = {}
+        self._means: dict[str, torch.Tensor] = {}  # name -> [sum, calls]
 
     def masked(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         """Record ``values`` where ``mask`` holds (the name is registered even when none do)."""
-        selected = values.detach()[mask.bool()].double()
-        entry = self._masked.setdefault(name, [0.0, 0.0, float("inf"), float("-inf")])
-        if selected.numel():
-            entry[0] += selected.sum().item()
-            entry[1] += selected.numel()
-            entry[2] = min(entry[2], selected.min().item())
-            entry[3] = max(entry[3], selected.max().item())
+        v, m = values.detach().double(), mask.bool()
+        if v.numel():
+            new = torch.stack([
+                torch.where(m, v, 0.0).sum(), m.sum().double(),
+                torch.where(m, v, math.inf).min(), torch.where(m, v, -math.inf).max(),
+            ])  # fmt: skip
+        else:
+            new = torch.tensor([0.0, 0.0, math.inf, -math.inf], dtype=torch.float64, device=v.device)
+        old = self._masked.get(name)
+        if old is not None:
+            low, high = torch.minimum(old[2], new[2]), torch.maximum(old[3], new[3])
+            new = torch.stack([old[0] + new[0], old[1] + new[1], low, high])
+        self._masked[name] = new
 
     def total(self, name: str, value: torch.Tensor | float) -> None:
         """Add ``value`` to a total summed over calls and ranks."""
-        self._totals[name] = self._totals.get(name, 0.0) + _value(value)
+        value = _scalar(value)
+        old = self._totals.get(name)
+        self._totals[name] = value if old is None else old + value
 
     def mean(self, name: str, value: torch.Tensor | float) -> None:
         """Record one value of a scalar averaged over calls and ranks."""
-        entry = self._means.setdefault(name, [0.0, 0.0])
-        entry[0] += _value(value)
-        entry[1] += 1
+        new = torch.stack([_scalar(value).cpu(), torch.tensor(1.0, dtype=torch.float64)])
+        old = self._means.get(name)
+        self._means[name] = new if old is None else old + new
 
     def add(self, stats: Mapping[str, MaskedStat | torch.Tensor | float], totals: Iterable[str] = ()) -> None:
         """Record a loss function's stats: ``(values, mask)`` pairs as masked, names in ``totals`` as totals;
@@ -58,24 +68,45 @@ class StatsTracker:
             elif name in totals:
                 self.total(name, stat)
 
+    def _host(self) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[float]]]:
+        """Every accumulated value on the host: one copy per device they are on."""
+        entries = [
+            (d, name, t.reshape(-1))
+            for d in (self._masked, self._totals, self._means)
+            for name, t in d.items()
+        ]
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, _, t) in enumerate(entries):
+            by_device.setdefault(t.device, []).append(i)
+        host: list[list[float]] = [[] for _ in entries]
+        for indices in by_device.values():
+            values = torch.cat([entries[i][2] for i in indices]).cpu().tolist()
+            for i in indices:
+                n = entries[i][2].numel()
+                host[i], values = values[:n], values[n:]
+        masked, totals, means = {}, {}, {}
+        for (d, name, _), values in zip(entries, host, strict=True):
+            if d is self._masked:
+                masked[name] = values
+            elif d is self._totals:
+                totals[name] = values[0]
+            else:
+                means[name] = values
+        return masked, totals, means
+
     def reduce(self, scope: str = "", group=None) -> dict[str, float]:
         """``{scope}/{name}...`` floats combined over the ranks of ``group`` (None: all ranks; a collective,
         identical on every rank)."""
-        names = dist.all_gather_object(
-            (sorted(self._masked), sorted(self._totals), sorted(self._means)), group
-        )
+        mine_masked, mine_totals, mine_means = self._host()
+        names = dist.all_gather_object((sorted(mine_masked), sorted(mine_totals), sorted(mine_means)), group)
         masked, totals, means = (sorted(set().union(*(n[i] for n in names))) for i in range(3))
         empty = [0.0, 0.0, float("inf"), float("-inf")]
-        m = torch.tensor([self._masked.get(k, empty) for k in masked], dtype=torch.float64).reshape(-1, 4)
-        sums = torch.cat(
-            [
-                m[:, :2].reshape(-1),
-                torch.tensor([self._totals.get(k, 0.0) for k in totals], dtype=torch.float64),
-                torch.tensor([self._means.get(k, [0.0, 0.0]) for k in means], dtype=torch.float64).reshape(
-                    -1
-                ),
-            ]
-        )
+        m = torch.tensor([mine_masked.get(k, empty) for k in masked], dtype=torch.float64).reshape(-1, 4)
+        sums = torch.cat([
+            m[:, :2].reshape(-1),
+            torch.tensor([mine_totals.get(k, 0.0) for k in totals], dtype=torch.float64),
+            torch.tensor([mine_means.get(k, [0.0, 0.0]) for k in means], dtype=torch.float64).reshape(-1),
+        ])  # fmt: skip
         sums = dist.all_reduce(sums, "sum", group)
         lows = dist.all_reduce(torch.cat([m[:, 2], -m[:, 3]]), "min", group)  # max as the min of negatives
 

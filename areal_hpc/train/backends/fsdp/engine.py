@@ -37,7 +37,7 @@ from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.head import HEAD_CHUNK_TOKENS, chunked_logprobs
-from areal_hpc.train.microbatch import EMPTY_MB, micro_batch_groups, seq_lengths, to_torch, token_indices
+from areal_hpc.train.microbatch import EMPTY_MB, in_packed_order, micro_batch_groups, seq_lengths, to_torch
 from areal_hpc.train.models import DTYPES, ValueModel, compile_pointwise, enable_checkpointing, load_model
 from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
@@ -138,15 +138,15 @@ class FSDPEngine(RecoverState):
 
     def _inference(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec, key: str, temperature=1.0):
         inputs = {CU: batch[CU], "packed_input_ids": batch["packed_input_ids"]}
-        out = torch.zeros(int(batch[CU][-1]), dtype=torch.float32)
+        parts = []
         self.net.eval()
         with torch.no_grad():
             for group in _same_count(micro_batch_groups(seq_lengths(batch), mb_spec)):
                 mb = to_torch(EMPTY_MB if group is None else select(inputs, group), self.device)
                 values = self._run(mb, temperature)[key]
                 if group is not None:
-                    out[torch.from_numpy(token_indices(batch[CU], group))] = values.cpu()
-        return out
+                    parts.append((group, values))
+        return in_packed_order(batch[CU], parts)
 
     def logprobs(self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec):
         """Token-aligned float32 logprobs (T) of ``packed_input_ids``; 0 at each sequence's first token."""
@@ -172,17 +172,17 @@ class FSDPEngine(RecoverState):
         optimizer = self._require_optimizer()
         optimizer.zero_grad(set_to_none=True)
         self.net.train()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once: no sync per micro-batch
         with timeline.span("forward_backward", micro_batches=len(micro_batches)):
             for mb_arrays in _same_count(list(micro_batches)):
                 mb = to_torch(EMPTY_MB if mb_arrays is None else mb_arrays, self.device)
                 outputs = self._run(mb, temperature)
                 loss = next(iter(outputs.values())).sum() * 0.0 if mb_arrays is None else loss_fn(outputs, mb)
                 loss.backward()
-                total += loss.item()
+                total += loss.detach().double()
         self.net.eval()
         with timeline.span("optimizer"):
-            return {"loss": total, **self._step(skip is not None and skip())}
+            return {"loss": total.item(), **self._step(skip is not None and skip())}
 
     def _step(self, skip: bool) -> dict[str, float]:
         params = [p for p in self.net.parameters() if p.requires_grad]

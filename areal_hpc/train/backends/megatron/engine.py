@@ -57,7 +57,7 @@ from areal_hpc.train.backends.megatron.model import (
 )
 from areal_hpc.train.backends.megatron.parallel import layout_of, model_groups, on_device
 from areal_hpc.train.head import HEAD_CHUNK_TOKENS, vocab_parallel_logprobs
-from areal_hpc.train.microbatch import EMPTY_MB, micro_batch_groups, seq_lengths, to_torch, token_indices
+from areal_hpc.train.microbatch import EMPTY_MB, in_packed_order, micro_batch_groups, seq_lengths, to_torch
 from areal_hpc.train.models import DTYPES, compile_pointwise
 from areal_hpc.train.numerics import LossFn, lr_factor
 from areal_hpc.train.packed import packed_kwargs
@@ -322,10 +322,7 @@ class MegatronEngine:
         else:
             flat = torch.empty(sum(lengths), device=self.device)
         values = self._from_last_stage(flat).split(lengths)
-        out = torch.zeros(int(batch[CU][-1]), dtype=torch.float32)
-        for group, v in zip(groups, values, strict=True):
-            out[torch.from_numpy(token_indices(batch[CU], group))] = v.cpu()
-        return out
+        return in_packed_order(batch[CU], list(zip(groups, values, strict=True)))
 
     def values(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec) -> torch.Tensor:
         raise TypeError("values need a critic engine; the megatron backend has none yet")

@@ -21,7 +21,7 @@ from areal_hpc.data import CU, select
 from areal_hpc.train import dist
 from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.recover_state import RecoverState
-from areal_hpc.train.microbatch import micro_batch_groups, pad, seq_lengths, to_torch, token_indices, unpad
+from areal_hpc.train.microbatch import in_packed_order, micro_batch_groups, pad, seq_lengths, to_torch, unpad
 from areal_hpc.train.models import DTYPES, enable_checkpointing, load_model
 from areal_hpc.train.numerics import (
     LossFn,
@@ -105,13 +105,13 @@ class TorchEngine(RecoverState):
     ) -> torch.Tensor:
         """``per_token(outputs, mb)`` of every micro-batch, put back in the batch's packed order (float32, CPU)."""
         inputs = {CU: batch[CU], "packed_input_ids": batch["packed_input_ids"]}
-        out = torch.zeros(int(batch[CU][-1]), dtype=torch.float32)
+        parts = []
         self.model.eval()
         with torch.no_grad():
             for group in micro_batch_groups(seq_lengths(batch), mb_spec):
                 mb = to_torch(select(inputs, group), self.device)
-                out[torch.from_numpy(token_indices(batch[CU], group))] = per_token(self.forward(mb), mb).cpu()
-        return out
+                parts.append((group, per_token(self.forward(mb), mb)))
+        return in_packed_order(batch[CU], parts)
 
     def logprobs(
         self, batch: Mapping[str, np.ndarray], temperature: float, mb_spec: MicroBatchSpec
@@ -171,14 +171,14 @@ class TorchEngine(RecoverState):
         """Accumulate this rank's gradients of ``loss_fn`` over ``micro_batches``; returns the summed loss."""
         self._require_optimizer()
         self.model.train()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once: no sync per micro-batch
         for mb_arrays in micro_batches:
             mb = to_torch(mb_arrays, self.device)
             loss = loss_fn(self.outputs(mb, temperature), mb)
             loss.backward()
-            total += loss.item()
+            total += loss.detach().double()
         self.model.eval()
-        return total
+        return total.item()
 
     def step(self, skip: bool = False) -> dict[str, float]:
         """Sum gradients over ranks, clip, step the optimizer and the LR schedule; ``grad_norm`` and ``lr``.
