@@ -5,7 +5,8 @@ its generated tokens per second of the whole step. tests/test_gpu.py runs it sma
 covers the same turns on the CPU.
 
     python tools/gpu_check_colocated.py [--steps 3] [--shape 0.5b] [--prompts 16] [--group-size 4]
-        [--max-new-tokens 256] [--mem-fraction 0.5] [--weight-update-mode tensor]
+        [--max-new-tokens 256] [--mem-fraction 0.5] [--weight-update-mode tensor] [--set KEY=VALUE ...]
+        [--json FILE]
 
 Issue 32's workload (a GRPO step of 16 prompts x 8 answers of 1,024 tokens, the 1.5B shape)::
 
@@ -47,7 +48,12 @@ from areal_hpc.launch.local import run_local  # noqa: E402
 from areal_hpc.monitor.stats import read_stats  # noqa: E402
 from tools.bench_train import SHAPES, build_model  # noqa: E402
 
-TINY = REPO / ".cache" / "tiny"
+try:
+    from areal_hpc.monitor import write_trace
+except ImportError:  # run against a baseline copy of the package from before the timeline (issue 46)
+    write_trace = None
+
+TINY = Path(os.environ.get("AREAL_HPC_TINY", REPO / ".cache" / "tiny"))  # the toy's tokenizer and prompts
 
 
 def gpu_memory_mib() -> dict[int, int]:
@@ -83,6 +89,11 @@ def main() -> int:
         default=0,
         help="ids spread over the vocabulary that end an answer (long tails)",
     )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config override more (e.g. actor_train.mb_spec.max_tokens_per_mb=30720); repeatable",
+    )  # fmt: skip
+    parser.add_argument("--json", help="write the steps' times to this file")
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-colocated-") as root:
         model = Path(root) / "model"
@@ -103,7 +114,8 @@ def main() -> int:
                 f"ppo.gen.max_new_tokens={ns.max_new_tokens}", f"max_running_requests={max(ns.prompts * ns.group_size, 64)}",
                 f"exp_ctrl.benchmark_steps={ns.steps}", "logging.tensorboard=false", "logging.progress=false",
             ]
-            + ([f"sglang.mem_fraction_static={ns.mem_fraction}"] if ns.mem_fraction is not None else []),
+            + ([f"sglang.mem_fraction_static={ns.mem_fraction}"] if ns.mem_fraction is not None else [])
+            + ns.set,
         )  # fmt: skip
         samples: dict[int, list[int]] = defaultdict(list)
         stop = threading.Event()
@@ -146,6 +158,13 @@ def main() -> int:
                   f"{tokens / r['timeperf/e2e']:.0f} tokens/s of the step; "
                   + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.startswith("timeperf/")))  # fmt: skip
         ok &= len(steps) == ns.steps
+        if ns.json:
+            Path(ns.json).write_text(
+                json.dumps({"args": vars(ns), "n_params": n_params, "steps": steps}) + "\n"
+            )
+        if write_trace is not None and run.timeline.is_dir():  # the code under test may predate the timeline
+            trace, table = write_trace(run, Path(ns.json or root).with_suffix(".trace.json"))
+            print(f"where the time went (areal-hpc trace, {trace}):\n{table}")
         print("colocated check:", "OK" if ok else "FAILED")
         return 0 if ok else 1
 

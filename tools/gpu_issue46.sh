@@ -1,0 +1,50 @@
+#!/bin/bash
+# Issue 46's runs on one lent GPU (device tool; carry .whl, .cache/tiny and .cache/baseline-46, the package before
+# issue 46 with today's tools:
+#   mkdir -p .cache/baseline-46 && git archive 9dd158c areal_hpc tools configs | tar -x -C .cache/baseline-46 \
+#     && cp tools/gpu_check_colocated.py .cache/baseline-46/tools/
+# Each part logs to $OUT/<part>.log; each run writes $OUT/<part>-<label>.json and, for today's code, its trace.
+#   tools/gpu_issue46.sh step        # the issue-32 step (1.5B, 16 x 8 x 1,024, tensor mode): baseline, today's
+#   tools/gpu_issue46.sh overhead    # today's with logging.timeline off and on
+#   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
+#   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
+#   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
+set -o pipefail
+source tools/gpu_env.sh
+export AREAL_HPC_TINY=$PWD/.cache/tiny
+OUT=${OUT:-/tmp/out}
+BASE=.cache/baseline-46
+WORK="--steps ${STEPS:-3} --group-size 8 --max-new-tokens 1024 --mem-fraction 0.5"
+# The 1-GPU colocated recipe's micro-batches (configs/qwen3-1.7b-8gpu.yaml), not the CPU toy's 4,096 tokens.
+MB="--set actor_train.mb_spec.max_tokens_per_mb=30720 --set actor_inf.mb_spec.max_tokens_per_mb=30720"
+status=0
+check() {  # label, code dir, args...
+  local label=$1 code=$2; shift 2
+  PYTHONPATH=/tmp/site:$PWD/$code python3 $code/tools/gpu_check_colocated.py $WORK "$@" --json $OUT/$label.json
+}
+step() {
+  check step-baseline $BASE --shape 1.5b $MB
+  check step-today . --shape 1.5b $MB
+}
+overhead() {
+  check overhead-off . --shape 1.5b $MB --set logging.timeline=false
+  check overhead-on . --shape 1.5b $MB
+}
+loglinear() {
+  check loglinear . --shape 1.5b $MB --set ppo.use_decoupled_loss=true --set ppo.prox_logp_method=loglinear
+  check recompute . --shape 1.5b $MB --set ppo.use_decoupled_loss=true --set ppo.recompute_logprob=true
+}
+profile() {
+  check profile . --shape 1.5b $MB --set logging.profile_step=2
+}
+3b() { check 3b . --shape 3b $MB; }
+7b() { check 7b . --shape 7b $MB --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true; }
+nvidia-smi -L
+for part in "$@"; do
+  echo "=== $part"
+  start=$(date +%s)
+  $part 2>&1 | tee $OUT/$part.log | grep -E "^step |e2e|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error" \
+    || { echo "FAILED: $part"; status=1; }
+  echo "=== $part: $(( $(date +%s) - start )) s"
+done
+exit $status
