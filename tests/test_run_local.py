@@ -62,7 +62,7 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
     assert all(0 <= r["other"] < 0.05 * r["wall"] for r in rows), rows
     assert all(r["actor_train"] > 0 and r["idle trainer"] < 1 and r["idle gen_server"] < 1 for r in rows)
     # Step 2's trainer calls under torch.profiler, joined to the trace on its clock.
-    profiles = sorted(p.name for p in run.timeline.glob("profile.*"))
+    profiles = sorted(p.name for p in run.timeline.glob("profile.*.json"))
     assert profiles == [
         f"profile.{mfc}.step2.trainer{r}.json" for mfc in ("actor_inf", "actor_train") for r in (0, 1)
     ]

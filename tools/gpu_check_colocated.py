@@ -165,6 +165,8 @@ def main() -> int:
         if write_trace is not None and run.timeline.is_dir():  # the code under test may predate the timeline
             trace, table = write_trace(run, Path(ns.json or root).with_suffix(".trace.json"))
             print(f"where the time went (areal-hpc trace, {trace}):\n{table}")
+            for summary in run.timeline.glob("profile.*.txt") if ns.json else ():  # logging.profile_step's
+                shutil.copy(summary, Path(ns.json).with_suffix(f".{summary.name}"))
         print("colocated check:", "OK" if ok else "FAILED")
         return 0 if ok else 1
 

@@ -179,6 +179,9 @@ class TrainerHandlers:
             yield
         path = self.profile_dir / f"{PROFILE_PREFIX}{payload['mfc']}.step{step}.trainer{self.rank}.json"
         prof.export_chrome_trace(str(path))
+        # The ops that took the time, as a table beside it: what a look at the trace would add up.
+        key = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
         logger.info("rank %d: profile of %s at step %d in %s", self.rank, payload["mfc"], step, path)
 
     def _reserve(self, name: str) -> None:
