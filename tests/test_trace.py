@@ -54,13 +54,14 @@ def test_a_span_is_recorded_once_the_process_records(tmp_path):
     try:
         with timeline.span("train_step", step=4) as args:
             args["tokens"] = 1024
-        timeline.add_span("measured", time.time(), 0.25, server="gen_server0", overlap=True)
+        with timeline.span("generate", server="gen_server0", overlap=True):
+            time.sleep(0.01)
     finally:
         timeline.stop()
     events, skipped = read_timeline(path.parent)
     assert skipped == 0
     assert [(e.task, e.attempt, e.name) for e in events if e.task == "trainer3"] == [
-        ("trainer3", 1, "start"), ("trainer3", 1, "train_step"), ("trainer3", 1, "measured")
+        ("trainer3", 1, "start"), ("trainer3", 1, "train_step"), ("trainer3", 1, "generate")
     ]  # fmt: skip
     step = next(e for e in events if e.name == "train_step")
     assert step.args == {"step": 4, "tokens": 1024} and step.dur >= 0

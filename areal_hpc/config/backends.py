@@ -22,13 +22,14 @@ class Backend:
         False  # routes an MoE model's tokens as the generation servers did (actor.router_replay)
     )
     value_model: bool = True  # can host the critic
+    lora: bool = False  # trains LoRA adapters (actor.lora)
     # Generation: each of a request's n answers drawn from its own stream of `sampling_seed`. SGLang ignores
     # the seed unless launched deterministic, and then gives all n answers the same one (n identical answers).
     seeded_sampling: bool = False
 
 
 TRAIN_BACKENDS = {
-    "fsdp": Backend("areal_hpc.train.backends.fsdp", optimizer_offload=True),
+    "fsdp": Backend("areal_hpc.train.backends.fsdp", optimizer_offload=True, lora=True),
     "torch": Backend("areal_hpc.train.backends.torch"),  # replicated: the baseline of bench_train
     # Issue 13 in progress: no value model yet.
     "megatron": Backend(

@@ -96,6 +96,12 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             out.append(
                 f"'critic.backend' {model.backend!r} has no value model yet (give one of {', '.join(able)})"
             )
+    if cfg.actor.lora.rank and not TRAIN_BACKENDS[cfg.actor.backend].lora:
+        able = [b for b, spec in TRAIN_BACKENDS.items() if spec.lora]
+        out.append(
+            f"'actor.lora.rank' {cfg.actor.lora.rank}: LoRA trains on the {', '.join(able)} backend; "
+            f"'actor.backend' is {cfg.actor.backend!r}"
+        )
     for name in ("actor", "critic"):
         model = getattr(cfg, name)
         if model.optimizer.offload and not TRAIN_BACKENDS[model.backend].optimizer_offload:

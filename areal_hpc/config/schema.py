@@ -117,6 +117,19 @@ class TrainedModelConfig(ModelConfig):
 
 
 @dataclass
+class LoraConfig:
+    rank: int = opt(
+        0, "Rank of the LoRA adapters the actor trains instead of its weights; 0: full weights.", ge=0
+    )
+    alpha: float = opt(16.0, "LoRA's alpha: an adapter adds (alpha / rank) B A to its weight.", gt=0)
+    dropout: float = opt(0.0, "Dropout on the adapters' inputs while training.", ge=0, lt=1)
+    target_modules: list[str] = opt(
+        ["all-linear"], "Modules that get adapters, by name (q_proj, v_proj, ...); all-linear: every linear layer "
+        "but the LM head (PEFT's names).",
+    )  # fmt: skip
+
+
+@dataclass
 class ActorConfig(TrainedModelConfig):
     interface: str | None = opt(
         None,
@@ -131,6 +144,10 @@ class ActorConfig(TrainedModelConfig):
         "as packed_routed_experts for the trainer to route alike; off: the trainer routes on its own.",
         choices=("off", "rollout"),
     )
+    lora: LoraConfig = opt(
+        LoraConfig, "LoRA: train low-rank adapters (PEFT) instead of the weights (fsdp backend); the optimizer "
+        "holds the adapters' state alone. Publication and checkpoints carry the merged weights for now.",
+    )  # fmt: skip
 
 
 @dataclass

@@ -82,7 +82,6 @@ def record(path: str | os.PathLike | None, **first: Any) -> None:
     stop()
     if path is not None:
         _recorder = Recorder(path)
-        atexit.register(stop)
         instant("start", **first)
 
 
@@ -94,8 +93,7 @@ def stop() -> None:
         recorder.close()
 
 
-def recording() -> bool:
-    return _recorder is not None
+atexit.register(stop)
 
 
 @contextmanager
@@ -110,12 +108,6 @@ def span(name: str, **args: Any) -> Iterator[dict[str, Any]]:
         yield args
     finally:
         recorder.add({"name": name, "ts": start, "dur": time.perf_counter() - clock, **args})
-
-
-def add_span(name: str, start: float, secs: float, **args: Any) -> None:
-    """A span measured by the caller: `start` in Unix seconds."""
-    if _recorder is not None:
-        _recorder.add({"name": name, "ts": start, "dur": secs, **args})
 
 
 def instant(name: str, **args: Any) -> None:

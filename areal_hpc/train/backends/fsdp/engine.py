@@ -33,7 +33,7 @@ from areal_hpc.algo import align_next_token
 from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.control import timeline
 from areal_hpc.data import CU, select
-from areal_hpc.train import dist
+from areal_hpc.train import dist, lora
 from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.head import HEAD_CHUNK_TOKENS, chunked_logprobs
@@ -112,6 +112,12 @@ class FSDPEngine(RecoverState):
         model = load_model(
             self.source_dir, torch.float32 if self.trainable else self.dtype, critic, attention=ATTENTION
         )
+        a = getattr(
+            model_cfg, "lora", None
+        )  # the actor's adapters (actor.lora), trained instead of its weights
+        self.lora_scale = a.alpha / a.rank if self.trainable and a is not None and a.rank else None
+        if self.lora_scale is not None:
+            model = lora.add_adapters(model, a.rank, a.alpha, a.dropout, list(a.target_modules))
         if self.trainable and model_cfg.gradient_checkpointing:
             enable_checkpointing(model)
         self.net = PackedModel(model).to(self.device)
@@ -204,15 +210,24 @@ class FSDPEngine(RecoverState):
 
     def hf_params(self) -> dict[str, torch.Tensor]:
         """The model's parameters under their HF names, each once, as held (shards): their global shapes and
-        dtypes plan publication."""
-        return dict(self.net.model.named_parameters())
+        dtypes plan publication. With adapters, the base weights (what ``hf_weights`` merges them into)."""
+        named = self.net.model.named_parameters()
+        if self.lora_scale is None:
+            return dict(named)
+        return {lora.hf_name(name): p for name, p in named if not lora.is_adapter(name)}
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``hf_params`` as full tensors in the compute dtype, gathered one at a time: a collective (every rank
-        drains it), and no rank ever holds a second full copy of the model."""
-        for name, param in self.hf_params().items():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            yield name, full.detach().to(self.dtype)
+        drains it), and no rank ever holds a second full copy of the model. With adapters, each merged into
+        its weight in float32 first."""
+        full = (
+            (name, p.full_tensor() if isinstance(p, DTensor) else p)
+            for name, p in self.net.model.named_parameters()
+        )
+        if self.lora_scale is not None:
+            full = lora.merged(full, self.lora_scale)
+        for name, tensor in full:
+            yield name, tensor.detach().to(self.dtype)
 
     def save_hf(self, path: str | Path) -> Path | None:
         """The model as an HF directory (a collective; rank 0 writes shard files as tensors are gathered)."""

@@ -1,0 +1,66 @@
+"""LoRA adapters on a trained HF model (``actor.lora``), through PEFT: injected in place, so that the model keeps
+its HF structure (``model.layers.N...``) and only the adapters train.
+
+PEFT renames what it wraps: a target module's weight becomes ``<module>.base_layer.weight`` beside
+``<module>.lora_A.default.weight`` and ``<module>.lora_B.default.weight``. Everything that leaves the trainer
+as HF weights (publication, checkpoints, copies on other layouts) goes through ``merged``: the base names, each
+target weight with its adapter added, W + (alpha / r) B A, which is the policy the trainer computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # PEFT's name of the one adapter
+BASE, LORA_A, LORA_B = ".base_layer.", f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}."
+
+
+def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> nn.Module:
+    """`model` with LoRA adapters on `targets` (module names, or "all-linear": every linear layer but the LM
+    head); only the adapters require gradients. PEFT starts B at zero: the model computes what it did."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    target = targets[0] if targets == ["all-linear"] else targets
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target, bias="none")
+    model = inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    if not any(is_adapter(name) for name, _ in model.named_parameters()):
+        raise ValueError(f"actor.lora.target_modules {targets} names no module of the model")
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return LORA_A in name or LORA_B in name
+
+
+def hf_name(name: str) -> str:
+    """The HF name of a base parameter (PEFT's ``base_layer`` removed)."""
+    return name.replace(BASE, ".")
+
+
+def merged(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF weights of the named parameters of an adapted model, in their order (full tensors, one at a time):
+    a target's base weight is held until its A and B have come, then yielded as W + scale B A in W's dtype."""
+    pending: dict[str, torch.Tensor] = {}  # module -> its base weight
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        module = name.split(BASE)[0].split(LORA_A)[0].split(LORA_B)[0]
+        if name.endswith(f"{BASE}weight"):
+            pending[module] = tensor
+        elif is_adapter(name):
+            parts.setdefault(module, {})["A" if LORA_A in name else "B"] = tensor
+        else:
+            yield hf_name(name), tensor
+            continue
+        if module in pending and len(parts.get(module, {})) == 2:
+            w, ab = pending.pop(module), parts.pop(module)
+            delta = (ab["B"].float() @ ab["A"].float()) * scale
+            yield f"{module}.weight", (w.float() + delta).to(w.dtype)
+    if pending or parts:
+        raise RuntimeError(
+            f"adapted modules without their base weight or A and B: {sorted({*pending, *parts})}"
+        )

@@ -1,0 +1,102 @@
+"""LoRA (actor.lora): the actor trains PEFT adapters instead of its weights on the fsdp backend; what leaves the
+trainer as HF weights is the base with the adapters merged in, the policy the trainer computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from areal_hpc.config import ConfigError, load_config
+from areal_hpc.config.schema import ActorConfig, LoraConfig, MicroBatchSpec, OptimizerConfig
+from areal_hpc.control.rundir import run_dir_of
+from areal_hpc.launch.local import run_local
+from areal_hpc.monitor.stats import read_stats
+from areal_hpc.train.backends.fsdp.engine import FSDPEngine
+from areal_hpc.train.microbatch import micro_batches
+from tests.helpers import REPO_ROOT
+from tests.test_fsdp_engine import alone, nll, packed
+
+REWARD = "ppo_actor/task_reward/avg"
+TOY = REPO_ROOT / "configs" / "toy-cpu.yaml"
+
+
+def lora_actor(path, rank=4, targets=("all-linear",)) -> ActorConfig:
+    return ActorConfig(
+        path=str(path), dtype="float32", gradient_checkpointing=False,
+        optimizer=OptimizerConfig(lr=1e-2, warmup_steps_proportion=0.0),
+        lora=LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=list(targets)),
+    )  # fmt: skip
+
+
+def step(engine: FSDPEngine, batch) -> None:
+    engine.train_minibatch(micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=32)), nll)
+
+
+def test_only_the_adapters_train_and_the_base_weights_stay_bit_identical(tiny_model_dir):
+    engine = FSDPEngine(lora_actor(tiny_model_dir), total_train_steps=2)
+    before = {n: p.detach().clone() for n, p in engine.net.model.named_parameters()}
+    trained = [n for n, p in engine.net.model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    step(engine, packed())
+    after = dict(engine.net.model.named_parameters())
+    for name, old in before.items():
+        changed = not torch.equal(old, after[name].detach())
+        assert changed == (name in trained), name
+    # The optimizer holds the adapters' state alone.
+    assert {id(p) for p in engine.optimizer.state} == {id(after[n]) for n in trained}
+
+
+def test_a_fresh_adapter_publishes_the_base_weights_exactly(tiny_model_dir):
+    engine = FSDPEngine(lora_actor(tiny_model_dir), total_train_steps=1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    published = dict(engine.hf_weights())
+    assert set(engine.hf_params()) == set(published)
+    assert published.keys() <= base.keys() and "model.layers.0.self_attn.q_proj.weight" in published
+    assert all(torch.equal(t, base[n]) for n, t in published.items())  # B starts at zero
+
+
+def test_the_merged_weights_are_the_policy_the_trainer_computes(tiny_model_dir, tmp_path):
+    engine = FSDPEngine(
+        lora_actor(tiny_model_dir, targets=("q_proj", "v_proj", "down_proj")), total_train_steps=2
+    )
+    batch = packed()
+    step(engine, batch)
+    step(engine, batch)
+    saved = engine.save_hf(tmp_path / "merged")
+    assert not any("lora" in name for name in load_file(saved / "model.safetensors"))
+    mine = engine.logprobs(batch, 1.0, MicroBatchSpec())
+    torch.testing.assert_close(mine, alone(saved, batch, 1.0), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(mine, alone(tiny_model_dir, batch, 1.0), atol=1e-3)  # it did train
+
+
+def test_lora_is_refused_where_it_would_not_train(toy):
+    with pytest.raises(ConfigError, match="'actor.lora.rank' 8: LoRA trains on the fsdp backend"):
+        load_config([TOY], toy.overrides("x", 1, "actor.lora.rank=8", "actor.backend=megatron"))
+    with pytest.raises(ConfigError, match="actor.lora.alpha.*actor.lora.rank 0"):
+        load_config([TOY], toy.overrides("x", 1, "actor.lora.alpha=32"))
+    with pytest.raises(ValueError, match="no_such_proj"):
+        FSDPEngine(lora_actor(toy.model_dir, targets=("no_such_proj",)), total_train_steps=1)
+
+
+def test_a_grpo_run_trains_an_adapter_and_its_servers_follow(toy):
+    # Unnormalised advantages: the untrained model's constant reward then moves it (as in test_pinned_stats).
+    cfg = toy.config("lora", 3, "actor.lora.rank=8", "actor.lora.alpha=16", "ppo.adv_norm=false",
+                     "ppo.group_adv_norm=false")  # fmt: skip
+    assert run_local(cfg) == 0
+    run = run_dir_of(cfg)
+    steps = [r for r in read_stats(run.stats) if REWARD in r]
+    assert len(steps) == 3 and all(np.isfinite(r["ppo_actor/grad_norm"]) for r in steps)
+    # Synchronous: the server sampled each step with the merged weights whose logprobs the trainer recomputed.
+    for r in steps:
+        low, high = r["ppo_actor/behave_imp_weight/min"], r["ppo_actor/behave_imp_weight/max"]
+        assert low == pytest.approx(1.0, abs=1e-3) and high == pytest.approx(1.0, abs=1e-3)
+    (ckpt,) = sorted((run.root / "checkpoints" / "actor").iterdir())[-1:]
+    weights = load_file(ckpt / "model.safetensors")
+    base = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).state_dict()
+    assert weights.keys() <= base.keys()
+    assert not all(
+        torch.equal(weights[n].float(), base[n]) for n in weights
+    )  # the adapters moved the weights
