@@ -69,7 +69,12 @@ def test_the_merged_weights_are_the_policy_the_trainer_computes(tiny_model_dir, 
     assert not any("lora" in name for name in load_file(saved / "model.safetensors"))
     mine = engine.logprobs(batch, 1.0, MicroBatchSpec())
     torch.testing.assert_close(mine, alone(saved, batch, 1.0), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(mine, alone(tiny_model_dir, batch, 1.0), atol=1e-3)  # it did train
+    base = alone(tiny_model_dir, batch, 1.0)
+    assert not torch.allclose(mine, base, atol=1e-3)  # it did train
+    # The reference policy of the KL penalty: the same engine with its adapters off is the base model.
+    with engine.adapters_off():
+        torch.testing.assert_close(engine.logprobs(batch, 1.0, MicroBatchSpec()), base, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(engine.logprobs(batch, 1.0, MicroBatchSpec()), mine)  # and on again
 
 
 def test_lora_is_refused_where_it_would_not_train(toy):
@@ -83,12 +88,15 @@ def test_lora_is_refused_where_it_would_not_train(toy):
 
 def test_a_grpo_run_trains_an_adapter_and_its_servers_follow(toy):
     # Unnormalised advantages: the untrained model's constant reward then moves it (as in test_pinned_stats).
+    # A KL penalty: the reference is the actor's base, served by the actor with its adapters off.
     cfg = toy.config("lora", 3, "actor.lora.rank=8", "actor.lora.alpha=16", "ppo.adv_norm=false",
-                     "ppo.group_adv_norm=false")  # fmt: skip
+                     "ppo.group_adv_norm=false", "ppo.kl_ctl=0.05")  # fmt: skip
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
     steps = [r for r in read_stats(run.stats) if REWARD in r]
     assert len(steps) == 3 and all(np.isfinite(r["ppo_actor/grad_norm"]) for r in steps)
+    assert all("timeperf/ref_inf" in r for r in steps)
+    assert "loaded ['actor']" in (run.attempt_logs(0) / "trainer0.log").read_text()  # no reference copy
     # Synchronous: the server sampled each step with the merged weights whose logprobs the trainer recomputed.
     for r in steps:
         low, high = r["ppo_actor/behave_imp_weight/min"], r["ppo_actor/behave_imp_weight/max"]

@@ -10,6 +10,7 @@ target weight with its adapter added, W + (alpha / r) B A, which is the policy t
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -31,6 +32,21 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
     if not any(is_adapter(name) for name, _ in model.named_parameters()):
         raise ValueError(f"actor.lora.target_modules {targets} names no module of the model")
     return model
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """`model` computes its base (the reference policy of a LoRA actor: no second copy of the weights)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def is_adapter(name: str) -> bool:

@@ -78,6 +78,8 @@ class TrainerHandlers:
         total = payload["total_train_steps"] * n_minibatches
         models = trainer_models(cfg)
         for name, model_cfg in models.items():  # the reference policy and the teacher do not train
+            if name == "ref" and self._ref_is_actor_base(model_cfg):
+                continue  # the LoRA actor with its adapters off: no second copy of the weights
             steps = None if name in INFERENCE_ONLY else total
             spec = mfc_spec(cfg, MFCS_OF[name][0])
             self.engines[name] = make_engine(model_cfg, steps, cfg.seed, critic=name == "critic", spec=spec)
@@ -90,9 +92,17 @@ class TrainerHandlers:
                     sorted(self.copies))  # fmt: skip
         return {"models": sorted(self.engines), "copies": sorted(self.copies)}
 
+    def _ref_is_actor_base(self, ref) -> bool:
+        """The reference policy is the LoRA actor's base model, on the actor's layout."""
+        cfg = self.cfg
+        same_layout = mfc_spec(cfg, "ref_inf") == mfc_spec(cfg, MFCS_OF["actor"][0])
+        return bool(cfg.actor.lora.rank) and ref.path == cfg.actor.path and same_layout
+
     def _engine(self, mfc: str, model: str) -> tuple[TrainEngine, dict[str, float]]:
         """The engine that runs `mfc`: the model's own, or its copy on the call's layout, first brought up to
         date (a collective: every rank runs the same call); with the reallocation's seconds."""
+        if model == "ref" and "ref" not in self.engines:
+            return self.engines["actor"], {}  # with its adapters off (inference)
         if mfc not in self.copies:
             return self.engines[model], {}
         _, copy = self.copies[mfc]
@@ -130,7 +140,9 @@ class TrainerHandlers:
                 raise ValueError(f"actor.interface {type(self.actor).__name__}.inference returned {_keys(out)}; "
                                  "actor_inf needs a dict with proximal_logprobs")  # fmt: skip
         elif mfc == "ref_inf":
-            out = interfaces.ref_inference(engine, batch, mb_spec, temperature)
+            base = engine.adapters_off() if "ref" not in self.engines else contextlib.nullcontext()
+            with base:
+                out = interfaces.ref_inference(engine, batch, mb_spec, temperature)
         elif mfc == "teacher_inf":
             out = interfaces.teacher_inference(engine, batch, mb_spec, temperature)
         else:

@@ -160,6 +160,10 @@ class FSDPEngine(RecoverState):
             raise TypeError("a critic engine has values, not logprobs")
         return self._inference(batch, mb_spec, "logprobs", temperature)
 
+    def adapters_off(self):
+        """A context in which the engine computes its base model (LoRA; with no adapters, itself)."""
+        return lora.adapters_off(self.net)
+
     def values(self, batch: Mapping[str, np.ndarray], mb_spec: MicroBatchSpec) -> torch.Tensor:
         if not self.critic:
             raise TypeError("values need a critic engine (critic=True)")
