@@ -3,6 +3,8 @@ trainer as HF weights is the base with the adapters merged in, the policy the tr
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -75,6 +77,25 @@ def test_the_merged_weights_are_the_policy_the_trainer_computes(tiny_model_dir, 
     with engine.adapters_off():
         torch.testing.assert_close(engine.logprobs(batch, 1.0, MicroBatchSpec()), base, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(engine.logprobs(batch, 1.0, MicroBatchSpec()), mine)  # and on again
+
+
+def test_a_recover_checkpoint_keeps_the_adapters_and_their_optimizer_state_alone(tiny_model_dir):
+    batch = packed()
+    engine = FSDPEngine(lora_actor(tiny_model_dir), total_train_steps=3)
+    step(engine, batch)
+    state = copy.deepcopy(engine.state_dict())  # as written to disk: not the live tensors the next step moves
+    assert state["model"] and all(".lora_A." in k or ".lora_B." in k for k in state["model"])
+    resumed = FSDPEngine(lora_actor(tiny_model_dir), total_train_steps=3)  # the base from the model's path
+    resumed.load_state_dict(state)
+    resumed.load_schedule_state(engine.schedule_state())
+    step(engine, batch)
+    step(resumed, batch)
+    spec = MicroBatchSpec()
+    torch.testing.assert_close(
+        resumed.logprobs(batch, 1.0, spec), engine.logprobs(batch, 1.0, spec), rtol=0, atol=0
+    )
+    with pytest.raises(KeyError, match="lacks .* adapter weight"):
+        resumed.load_state_dict({"model": {}, "optimizer": state["optimizer"]})
 
 
 def test_lora_is_refused_where_it_would_not_train(toy):

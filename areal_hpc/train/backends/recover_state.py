@@ -36,22 +36,35 @@ def _aliases(model_state: dict[str, torch.Tensor]) -> dict[str, str]:
     return aliases
 
 
-def tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, keep=None) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}``: tensors (shards for a sharded model) only, by parameter name; a
-    tied weight once."""
+    tied weight once; with ``keep`` (name -> bool), only the weights it keeps (a LoRA actor's adapters: its
+    base never changes and is loaded from its path)."""
     model_state = get_model_state_dict(model)
     aliases = _aliases(model_state)
-    state: dict[str, Any] = {"model": {k: v for k, v in model_state.items() if k not in aliases}}
+    kept = {k: v for k, v in model_state.items() if k not in aliases and (keep is None or keep(k))}
+    state: dict[str, Any] = {"model": kept}
     if optimizer is not None:  # its param_groups (hyperparameters, no tensors) are rebuilt, not saved
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)["state"]
     return state
 
 
-def load_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+def load_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], keep=None
+) -> None:
     model_state = dict(state["model"])
-    for alias, name in _aliases(get_model_state_dict(model)).items():
-        model_state[alias] = model_state[name]
-    set_model_state_dict(model, model_state, options=StateDictOptions(strict=True))
+    current = get_model_state_dict(model)
+    for alias, name in _aliases(current).items():
+        if name in model_state:
+            model_state[alias] = model_state[name]
+    if keep is not None:  # the weights not kept stay as loaded; every kept one must be there
+        missing = sorted(k for k in current if keep(k) and k not in model_state)
+        if missing:
+            raise KeyError(
+                f"the recover checkpoint lacks {len(missing)} adapter weight(s), e.g. {missing[0]}"
+            )
+    options = StateDictOptions(strict=keep is None)
+    set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and "optimizer" in state:
         groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
         set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": groups})
@@ -80,12 +93,14 @@ class RecoverState:
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
 
+    recover_only = None  # name -> whether a recover checkpoint keeps that weight (None: all)
+
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state (tensors, shards for a sharded engine, by parameter name)."""
-        return tensors(self.module, self.optimizer)
+        return tensors(self.module, self.optimizer, self.recover_only)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_tensors(self.module, self.optimizer, state)
+        load_tensors(self.module, self.optimizer, state, self.recover_only)
 
     def schedule_state(self) -> dict[str, Any]:
         return schedule(self.optimizer, self.scheduler)

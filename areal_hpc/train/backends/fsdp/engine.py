@@ -118,6 +118,7 @@ class FSDPEngine(RecoverState):
         self.lora_scale = a.alpha / a.rank if self.trainable and a is not None and a.rank else None
         if self.lora_scale is not None:
             model = lora.add_adapters(model, a.rank, a.alpha, a.dropout, list(a.target_modules))
+            self.recover_only = lora.is_adapter  # the base is the model's path, never changed
         if self.trainable and model_cfg.gradient_checkpointing:
             enable_checkpointing(model)
         self.net = PackedModel(model).to(self.device)
