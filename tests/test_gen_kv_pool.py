@@ -128,6 +128,13 @@ def test_a_groups_samples_share_its_prompt_and_new_weights_forget_the_cache(tiny
         again = engine.submit([prompt + list(range(40))], SamplingParams(n=4, max_new_tokens=5)).wait(60)
         engine.update_weights_from_tensors(lambda: [], weight_version="1")
         updated = engine.submit([prompt + list(range(40))], SamplingParams(n=4, max_new_tokens=5)).wait(60)
+        # /flush_cache forgets it too, and, as SGLang's, only while no request runs.
+        assert engine.info()["kv_cache"]["cached_pages"] >= 3 and engine.flush_cache() >= 3
+        assert engine.info()["kv_cache"]["cached_pages"] == 0
+        engine.submit([prompt], SamplingParams(max_new_tokens=2000, ignore_eos=True))  # still running
+        with pytest.raises(RequestError, match="flush_cache needs an idle server"):
+            engine.flush_cache()
+        engine.abort(abort_all=True)
     finally:
         engine.stop()
     assert [o.cached_tokens for o in first] == [0] * 4

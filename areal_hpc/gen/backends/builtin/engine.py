@@ -283,6 +283,17 @@ class Engine:
 
         self._call(resume)
 
+    def flush_cache(self) -> int:
+        """Forget the prefix cache, only while idle (SGLang's /flush_cache refuses while requests run); returns
+        the pages it freed."""
+
+        def flush() -> int:
+            if self._sched.rows or self._waiting:
+                raise RequestError(None, "flush_cache needs an idle server: requests are running")
+            return self._sched.flush_cache()
+
+        return self._call(flush)
+
     def _unready(self) -> str | None:
         """Why generation is refused now (a colocated server between turns), or None."""
         if self._released:

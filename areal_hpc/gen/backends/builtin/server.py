@@ -22,7 +22,7 @@ a route does not use are ignored, as SGLang ignores them)::
     POST /release_memory_occupation {"tags": ["weights", "kv_cache", "cuda_graph"] or null (all)}: only while
                                     idle; the weights' storage is freed and /generate refused meanwhile
     POST /resume_memory_occupation  {"tags"}: resumed weights hold no values; /generate waits for an update
-    POST|GET /flush_cache           no prefix cache here: always succeeds
+    POST|GET /flush_cache           forget the prefix cache; 400 while requests run (as SGLang)
     GET  /health, /health_generate  200 while serving, 503 when the engine stopped
     GET  /model_info, /server_info  (also under SGLang's older names /get_model_info, /get_server_info)
 
@@ -196,7 +196,7 @@ class App:
             raise RequestError("load_format", f"must be null or {FLATTENED!r}, got {load_format!r}")
         name = _group_name(body)
         abort_all = _flag(body, "abort_all_requests", ABORT_ALL_DEFAULT)
-        _flag(body, "flush_cache", True)  # no prefix cache here: nothing to flush
+        _flag(body, "flush_cache", True)  # flushed whatever it says: the cache holds the old weights' keys
         receive = lambda: self.weight_groups.receive(name, metas, flattened=load_format == FLATTENED)  # noqa: E731
         try:
             version = self.engine.update_weights_from_tensors(receive, body.get("weight_version"), abort_all)
@@ -219,7 +219,7 @@ class App:
         if body.get("disable_draft_model"):
             raise RequestError("disable_draft_model", "this server has no draft model")
         abort_all = _flag(body, "abort_all_requests", ABORT_ALL_DEFAULT)
-        _flag(body, "flush_cache", True)  # no prefix cache here: nothing to flush
+        _flag(body, "flush_cache", True)  # flushed whatever it says: the cache holds the old weights' keys
         receive = lambda: shared.deserialize(entries[0])  # noqa: E731
         try:
             version = self.engine.update_weights_from_tensors(receive, body.get("weight_version"), abort_all)
@@ -257,7 +257,8 @@ class App:
         return 200, None
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:
-        return 200, {"success": True, "message": "cache flushed (the built-in server keeps no prefix cache)"}
+        pages = self.engine.flush_cache()
+        return 200, {"success": True, "message": f"cache flushed ({pages} pages of the prefix cache freed)"}
 
     def health(self, body: dict) -> tuple[int, Any]:
         return (
