@@ -3,8 +3,8 @@ its HF structure (``model.layers.N...``) and only the adapters train.
 
 PEFT renames what it wraps: a target module's weight becomes ``<module>.base_layer.weight`` beside
 ``<module>.lora_A.default.weight`` and ``<module>.lora_B.default.weight``. Everything that leaves the trainer
-as HF weights (publication, checkpoints, copies on other layouts) goes through ``merged``: the base names, each
-target weight with its adapter added, W + (alpha / r) B A, which is the policy the trainer computes.
+as HF weights (publication, HF checkpoints) goes through ``merged``: the base names, each target weight with
+its adapter added, W + (alpha / r) B A, which is the policy the trainer computes.
 """
 
 from __future__ import annotations
