@@ -32,9 +32,11 @@ def start_busy_run(toy, trial: str, *extra: str) -> tuple[subprocess.Popen, Path
     run_root = toy.fileroot / os.environ.get("USER", "root") / "toy-cpu" / trial
     sleeper = shlex.join([sys.executable, "-c", "import time; time.sleep(600)", program_arg(run_root)])
     overrides = toy.overrides(trial, 1000, f"rollout.agent_command={sleeper}", *extra)
+    # SIGHUP as a terminal would send it, even under `nohup make test`, whose ignored SIGHUP the launcher would
+    # inherit and honour (it must: that is what nohup asks).
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_hpc.cli", "run", *CONFIGS, *overrides], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while len(pids_with_arg(program_arg(run_root))) < 2:  # a group's episodes
