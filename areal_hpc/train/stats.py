@@ -21,6 +21,18 @@ def _scalar(x: torch.Tensor | float) -> torch.Tensor:
     return x.detach().double() if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
+def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """The values of ``tensors`` as lists of floats: one copy to the host per device they are on."""
+    out: dict[str, list[float]] = {}
+    for device in {t.device for t in tensors.values()}:
+        names = [name for name, t in tensors.items() if t.device == device]
+        flat = torch.cat([tensors[name].reshape(-1) for name in names]).cpu().tolist()
+        for name in names:
+            size = tensors[name].numel()
+            out[name], flat = flat[:size], flat[size:]
+    return out
+
+
 class StatsTracker:
     """Accumulates statistics on this rank; ``reduce`` combines all ranks. Values stay where they were made
     (a GPU's loss statistics on the GPU) until ``reduce``: no host sync per micro-batch."""
@@ -68,36 +80,11 @@ class StatsTracker:
             elif name in totals:
                 self.total(name, stat)
 
-    def _host(self) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[float]]]:
-        """Every accumulated value on the host: one copy per device they are on."""
-        entries = [
-            (d, name, t.reshape(-1))
-            for d in (self._masked, self._totals, self._means)
-            for name, t in d.items()
-        ]
-        by_device: dict[torch.device, list[int]] = {}
-        for i, (_, _, t) in enumerate(entries):
-            by_device.setdefault(t.device, []).append(i)
-        host: list[list[float]] = [[] for _ in entries]
-        for indices in by_device.values():
-            values = torch.cat([entries[i][2] for i in indices]).cpu().tolist()
-            for i in indices:
-                n = entries[i][2].numel()
-                host[i], values = values[:n], values[n:]
-        masked, totals, means = {}, {}, {}
-        for (d, name, _), values in zip(entries, host, strict=True):
-            if d is self._masked:
-                masked[name] = values
-            elif d is self._totals:
-                totals[name] = values[0]
-            else:
-                means[name] = values
-        return masked, totals, means
-
     def reduce(self, scope: str = "", group=None) -> dict[str, float]:
         """``{scope}/{name}...`` floats combined over the ranks of ``group`` (None: all ranks; a collective,
         identical on every rank)."""
-        mine_masked, mine_totals, mine_means = self._host()
+        mine_masked, mine_means = _on_host(self._masked), _on_host(self._means)
+        mine_totals = {name: value for name, (value,) in _on_host(self._totals).items()}
         names = dist.all_gather_object((sorted(mine_masked), sorted(mine_totals), sorted(mine_means)), group)
         masked, totals, means = (sorted(set().union(*(n[i] for n in names))) for i in range(3))
         empty = [0.0, 0.0, float("inf"), float("-inf")]

@@ -287,11 +287,11 @@ class TrainerHandlers:
         )
         return {"buckets": plan_payload(buckets)}
 
-    def _actor_weights_on_rank0(self) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """The actor's full weights, gathered on every rank (a collective): rank 0 gets the stream, the others
-        drain it and get None."""
+    def _actor_weights_on(self, ranks) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The actor's full weights, gathered on every rank (a collective): the `ranks` get the stream, the
+        others drain it and get None."""
         weights = self.engines["actor"].hf_weights()
-        if self.rank == 0:
+        if self.rank in ranks:
             return weights
         for _ in weights:
             pass
@@ -300,21 +300,19 @@ class TrainerHandlers:
     def broadcast_weights(self, payload: dict) -> dict:
         """Rank 0: broadcast the actor's current weights as planned, `{"bytes", "buckets", "secs"}`; other
         ranks: take part in gathering them, `{}`."""
-        weights = self._actor_weights_on_rank0()
+        weights = self._actor_weights_on([0])
         return {} if weights is None else self.weight_sender.send(weights)
 
     def share_weights(self, payload: dict) -> dict:
         """Every rank gathers the actor's full weights (a collective); the `ranks` named in the payload hold
         them and reply them serialized, `{"serialized", "bytes"}` (a CUDA IPC handle each: the server on this
         rank's GPU copies from them); the others reply `{}`."""
-        weights = self.engines["actor"].hf_weights()
-        if self.rank in payload.get("ranks", [0]):
-            shared = self.shared_weights.share(weights)
-            timeline.instant("weights_shared", bytes=shared["bytes"], version=payload.get("version"))
-            return shared
-        for _ in weights:
-            pass
-        return {}
+        weights = self._actor_weights_on(payload.get("ranks", [0]))
+        if weights is None:
+            return {}
+        shared = self.shared_weights.share(weights)
+        timeline.instant("weights_shared", bytes=shared["bytes"], version=payload.get("version"))
+        return shared
 
     def unshare_weights(self, payload: Any) -> dict:
         self.shared_weights.release()
