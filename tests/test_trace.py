@@ -145,12 +145,14 @@ def test_a_profile_joins_the_trace_on_the_timelines_clock(tmp_path):
     (run.timeline / "profile.actor_train.step1.trainer0.json").write_text(
         json.dumps({"baseTimeNanoseconds": base_ns, "traceEvents": [kernel]})
     )
+    for i, junk in enumerate(["[1]", '{"traceEvents": 5}', '{"baseTimeNanoseconds": "x"}', "{torn"]):
+        (run.timeline / f"profile.junk{i}.json").write_text(junk)  # not profiles: left out
     out, _ = write_trace(run, tmp_path / "t.json", "1", cuda=True)
     trace = json.loads(out.read_text())
     (gemm,) = [e for e in trace["traceEvents"] if e["name"] == "gemm"]
     assert gemm["ts"] == pytest.approx(4.5e6)  # the step started at 100 s: 4.5 s into it
     labels = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
-    assert "actor_train.step1.trainer0" in labels
+    assert "actor_train.step1.trainer0" in labels and not any(label.startswith("junk") for label in labels)
 
 
 def test_tracing_a_run_without_a_timeline_or_profile_says_what_is_missing(tmp_path):

@@ -268,6 +268,10 @@ def read_profiles(folder: Path) -> list[tuple[str, dict]]:
             trace = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents", []), list):
+            continue  # not a torch.profiler trace
+        if not _finite(trace.get("baseTimeNanoseconds", 0)):
+            continue
         found.append((path.stem.removeprefix("profile."), trace))
     return found
 
