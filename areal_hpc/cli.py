@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -207,6 +208,27 @@ def cmd_trace(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    from areal_hpc.weights import is_adapter_dir, write_merged
+
+    run = one_run(ns)
+    saved = {int(m[1]): p for p in sorted((run.checkpoints / "actor").glob("*globalstep*")) if (m := re.search(r"globalstep(\d+)$", p.name))}  # fmt: skip
+    step = max(saved, default=None) if ns.step is None else ns.step
+    if step not in saved:
+        steps = ", ".join(map(str, sorted(saved))) or "none"
+        print(f"no actor checkpoint of global step {step} in {run.checkpoints / 'actor'} (saved: {steps})", file=sys.stderr)  # fmt: skip
+        return 1
+    path = saved[step]
+    if not is_adapter_dir(path):
+        print(
+            f"{path} holds full weights already (an HF model): there are no adapters to merge",
+            file=sys.stderr,
+        )
+        return 1
+    print(write_merged(path, Path(ns.out) if ns.out else path.with_name(f"{path.name}-merged")))
+    return 0
+
+
 def cmd_episodes(ns: argparse.Namespace) -> int:
     from areal_hpc.monitor import show_episodes
 
@@ -255,7 +277,10 @@ def add_eval_parser(verbs) -> None:
         "eval",
         help="evaluate a checkpoint on math sets: greedy_acc, sample_pass@1, pass@k, maj@k (the original's)",
     )
-    ev.add_argument("--model_path", required=True, help="Hugging Face model directory (a saved checkpoint)")
+    ev.add_argument(
+        "--model_path", required=True,
+        help="Hugging Face model directory (a saved checkpoint; a LoRA run's adapter folder evaluates on its base)",
+    )  # fmt: skip
     ev.add_argument(
         "--output_path", required=True, help="folder of the answers (<set>.jsonl) and results.json"
     )
@@ -361,6 +386,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="add the trainers' torch.profiler traces of logging.profile_step (CUDA kernels on a GPU)",
     )  # fmt: skip
     trace.set_defaults(func=cmd_trace)
+    export = verbs.add_parser(
+        "export", help="a LoRA run's saved adapters folded into their base: an HF model (--merge)"
+    )
+    add_run_arg(export)
+    export.add_argument(
+        "--merge", action="store_true", required=True,
+        help="write the base model with the adapters merged into its weights (W + alpha/r B A)",
+    )  # fmt: skip
+    export.add_argument("--step", type=int, help="the checkpoint of this global step (default: the newest)")
+    export.add_argument("--out", help="the model's folder (default: beside the checkpoint, <name>-merged)")
+    export.set_defaults(func=cmd_export)
     episodes = verbs.add_parser(
         "episodes", help="print the transcripts of a run's episodes (rollout.transcript_groups groups a step)"
     )

@@ -4,6 +4,8 @@ trainer as HF weights is the base with the adapters merged in, the policy the tr
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from areal_hpc.cli import main
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.config.schema import ActorConfig, LoraConfig, MicroBatchSpec, OptimizerConfig
 from areal_hpc.control.rundir import run_dir_of
@@ -18,7 +21,9 @@ from areal_hpc.launch.local import run_local
 from areal_hpc.monitor.stats import read_stats
 from areal_hpc.train.backends.fsdp.engine import FSDPEngine
 from areal_hpc.train.microbatch import micro_batches
+from areal_hpc.weights.adapter import is_adapter_dir
 from tests.helpers import REPO_ROOT
+from tests.test_checkpoint_evals import EVAL
 from tests.test_fsdp_engine import alone, nll, packed
 
 REWARD = "ppo_actor/task_reward/avg"
@@ -107,25 +112,40 @@ def test_lora_is_refused_where_it_would_not_train(toy):
         FSDPEngine(lora_actor(toy.model_dir, targets=("no_such_proj",)), total_train_steps=1)
 
 
-def test_a_grpo_run_trains_an_adapter_and_its_servers_follow(toy):
+def test_a_grpo_run_publishes_its_adapters_and_its_servers_run_them(toy):
     # Unnormalised advantages: the untrained model's constant reward then moves it (as in test_pinned_stats).
     # A KL penalty: the reference is the actor's base, served by the actor with its adapters off.
     cfg = toy.config("lora", 3, "actor.lora.rank=8", "actor.lora.alpha=16", "ppo.adv_norm=false",
-                     "ppo.group_adv_norm=false", "ppo.kl_ctl=0.05")  # fmt: skip
+                     "ppo.group_adv_norm=false", "ppo.kl_ctl=0.05", "weight_update_mode=adapter", *EVAL,
+                     "exp_ctrl.save_freq_steps=null")  # fmt: skip
     assert run_local(cfg) == 0
     run = run_dir_of(cfg)
     steps = [r for r in read_stats(run.stats) if REWARD in r]
     assert len(steps) == 3 and all(np.isfinite(r["ppo_actor/grad_norm"]) for r in steps)
     assert all("timeperf/ref_inf" in r for r in steps)
     assert "loaded ['actor']" in (run.attempt_logs(0) / "trainer0.log").read_text()  # no reference copy
-    # Synchronous: the server sampled each step with the merged weights whose logprobs the trainer recomputed.
+    # Synchronous: the server sampled each step under the adapter whose logprobs the trainer recomputed.
     for r in steps:
         low, high = r["ppo_actor/behave_imp_weight/min"], r["ppo_actor/behave_imp_weight/max"]
         assert low == pytest.approx(1.0, abs=1e-3) and high == pytest.approx(1.0, abs=1e-3)
-    (ckpt,) = sorted((run.root / "checkpoints" / "actor").iterdir())[-1:]
-    weights = load_file(ckpt / "model.safetensors")
+    # Each version went out as an adapter, far smaller than the model; only the newest folder is left.
+    model_bytes = sum(f.stat().st_size for f in Path(toy.model_dir).glob("*.safetensors"))
+    assert all(0 < r["weight_sync/bytes"] < model_bytes / 2 for r in steps if "weight_sync/bytes" in r)
+    assert [p.name for p in run.weights.iterdir()] == ["adapter-v3"]
+    # The checkpoint is the adapters; it was evaluated on its base, and exports as a merged model.
+    (ckpt,) = sorted((run.checkpoints / "actor").iterdir())
+    assert is_adapter_dir(ckpt)
+    assert any("eval/math_500/greedy_acc" in r for r in read_stats(run.stats))
+    routes = [
+        e.get("name")
+        for f in run.timeline.glob("*.jsonl")
+        for e in map(json.loads, f.read_text().splitlines())
+    ]
+    assert (
+        routes.count("load_lora_adapter") == 3 and routes.count("unload_lora_adapter") >= 1
+    )  # in the background
+    assert main(["export", str(run.root), "--merge"]) == 0
+    merged = load_file(ckpt.with_name(ckpt.name + "-merged") / "model.safetensors")
     base = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).state_dict()
-    assert weights.keys() <= base.keys()
-    assert not all(
-        torch.equal(weights[n].float(), base[n]) for n in weights
-    )  # the adapters moved the weights
+    assert merged.keys() <= base.keys()
+    assert not all(torch.equal(merged[n].float(), base[n]) for n in merged)  # the adapters moved the weights

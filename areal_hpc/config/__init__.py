@@ -6,6 +6,7 @@ fields    `opt`, the field maker of schema and algorithm
 loader    YAML files and `key=value` overrides into the schema, each value remembering its file:line
 checks    per-field bounds and choices, cross-field rules, allocation_mode against backends and cluster
 inert     options that do nothing in the mode a config runs in: refused where set, else dropped
+lora      a LoRA actor against the rest of a config, and the modules its servers adapt
 backends  the training and generation backends a config can name, and what each can do
 extensions the user's code a config names (reward.fn, dataset.loader, actor.interface): forms, import, signature
 docs      docs/config.md and `areal-hpc config options`, rendered from the schema
@@ -30,6 +31,7 @@ from areal_hpc.config.checks import (
 from areal_hpc.config.docs import render_markdown, render_options
 from areal_hpc.config.extensions import ExtensionError
 from areal_hpc.config.loader import dump_yaml, load_config, to_dict
+from areal_hpc.config.lora import server_targets
 from areal_hpc.config.schema import (
     ActorConfig,
     BehavCorrectionConfig,
@@ -78,6 +80,7 @@ __all__ = [
     "extensions",
     "load_config",
     "mfc_spec",
+    "server_targets",
     "render_markdown",
     "render_options",
     "to_dict",

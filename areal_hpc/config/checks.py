@@ -18,6 +18,7 @@ from typing import Any
 from areal_hpc import alloc
 from areal_hpc.config import extensions, kv_pool
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems, moe_experts
+from areal_hpc.config.lora import lora_problems
 from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
@@ -96,12 +97,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             out.append(
                 f"'critic.backend' {model.backend!r} has no value model yet (give one of {', '.join(able)})"
             )
-    if cfg.actor.lora.rank and not TRAIN_BACKENDS[cfg.actor.backend].lora:
-        able = [b for b, spec in TRAIN_BACKENDS.items() if spec.lora]
-        out.append(
-            f"'actor.lora.rank' {cfg.actor.lora.rank}: LoRA trains on the {', '.join(able)} backend; "
-            f"'actor.backend' is {cfg.actor.backend!r}"
-        )
+    out += lora_problems(cfg)
     for name in ("actor", "critic"):
         model = getattr(cfg, name)
         if model.optimizer.offload and not TRAIN_BACKENDS[model.backend].optimizer_offload:

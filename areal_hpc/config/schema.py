@@ -454,8 +454,10 @@ class ExperimentConfig:
         "How new weights reach the generation servers after a train step: broadcast (trainer rank 0 sends them "
         "over a torch.distributed group of its own with every server: NCCL on GPU, gloo on CPU) or disk (rank 0 "
         "saves a safetensors snapshot with a manifest in the run directory; each server loads it) or tensor "
-        "(colocated on one node: rank 0 shares its GPU memory, CUDA IPC, and each server copies from it).",
-        choices=("broadcast", "disk", "tensor"),
+        "(colocated on one node: rank 0 shares its GPU memory, CUDA IPC, and each server copies from it) or "
+        "adapter (a LoRA actor: rank 0 writes its adapters, megabytes, as a PEFT folder in the run directory; "
+        "each server loads them, SGLang's /load_lora_adapter, and its requests name them).",
+        choices=("broadcast", "disk", "tensor", "adapter"),
     )
     param_realloc_mode: str = opt(
         "broadcast",

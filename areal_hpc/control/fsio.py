@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -123,6 +124,25 @@ def remove(path: str | os.PathLike) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def temporary_dir(path: Path) -> Path:
+    """An empty folder beside the folder ``path`` to build it in (``move_into_place`` gives it its name)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def move_into_place(tmp: Path, path: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``path``: a reader sees the old folder or the new, never half."""
+    if path.exists():  # a folder cannot be renamed over a non-empty one: move the old one aside first
+        old = path.with_name(f".{path.name}.old{os.getpid()}")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
 
 
 def list_names(folder: str | os.PathLike) -> list[str]:

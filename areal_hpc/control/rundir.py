@@ -148,6 +148,10 @@ class RunDir:
         """The HF snapshot of weight version `version` (weight_update_mode disk)."""
         return self.weights / f"v{version}"
 
+    def adapter_snapshot(self, version: int) -> Path:
+        """The LoRA adapter of weight version `version`, a PEFT folder (weight_update_mode adapter)."""
+        return self.weights / f"adapter-v{version}"
+
     def realloc_snapshot(self, model: str) -> Path:
         """The HF snapshot a model's weights move through to its copy on another layout (param_realloc_mode
         disk), overwritten at each move."""

@@ -4,7 +4,8 @@ generation backend (questions spread over them), judged by the math verifier, su
 ``metrics.dataset_metrics``.
 
 Writes under ``output_path``: ``<set>.jsonl`` (each question's answers and verdicts) and ``results.json`` (the
-options and the metrics of each set), each written whole (tmp + rename); prints a table.
+options and the metrics of each set), each written whole (tmp + rename); prints a table. A LoRA run's
+checkpoint (a PEFT folder) evaluates on the base model its config names, the adapter loaded in each server.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from areal_hpc.control import fsio
 from areal_hpc.eval.datasets import EvalQuestion, load_eval_set
 from areal_hpc.eval.metrics import Question, dataset_metrics
 from areal_hpc.gen import GenClient, ServerSpec, start_server
+from areal_hpc.weights import AdapterError, adapter_base, adapter_name, is_adapter_dir, read_adapter
 
 REQUESTS_PER_SERVER = 16  # questions in flight on one server: its batch is their samples
 
@@ -66,10 +68,25 @@ class EvalOptions:
             problems.append(
                 "--data_dir is not given: the folder of the sets' <name>.jsonl (or $AREAL_EVAL_DATA)"
             )
-        if not (Path(self.model_path) / "config.json").is_file():
-            problems.append(f"--model_path {self.model_path}: no Hugging Face model there (no config.json)")
+        try:
+            base = self.base_path
+        except AdapterError as exc:
+            problems.append(f"--model_path {self.model_path}: {exc}")
+        else:
+            if not (Path(base) / "config.json").is_file():
+                where = (
+                    "there" if base == self.model_path else f"at {base}, the base of the LoRA adapter there"
+                )
+                problems.append(
+                    f"--model_path {self.model_path}: no Hugging Face model {where} (no config.json)"
+                )
         if problems:
             raise InputError("; ".join(problems))
+
+    @property
+    def base_path(self) -> str:
+        """The model the servers load: model_path, or the base a LoRA adapter there names."""
+        return adapter_base(self.model_path) if is_adapter_dir(self.model_path) else self.model_path
 
     def load_sets(self) -> dict[str, list]:
         """The questions of each set, by name (EvalDataError names the file and line of a bad one)."""
@@ -141,18 +158,25 @@ def evaluate(opts: EvalOptions) -> dict[str, dict[str, float]]:
     out = Path(opts.output_path)
     sets = opts.load_sets()  # bad input before any work
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(opts.model_path)
+    base = opts.base_path  # a LoRA adapter evaluates on its base model
+    adapter = read_adapter(opts.model_path) if base != opts.model_path else None
+    lora = {"max_lora_rank": adapter.rank, "lora_target_modules": tuple(adapter.targets)} if adapter else {}
+    tokenizer = AutoTokenizer.from_pretrained(base)
     token_file = out / ".token"  # the servers' bearer token, private to the user
     with os.fdopen(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(secrets.token_hex(16))
     servers, results = [], {}
     try:
         for i in range(opts.n_servers):
-            spec = ServerSpec(opts.model_path, token_file, device=_device(i), seed=opts.seed + i)
+            spec = ServerSpec(base, token_file, device=_device(i), seed=opts.seed + i, **lora)
             servers.append(start_server(opts.backend, spec))
-        clients = [GenClient(s.url, token_file.read_text(), tokenizer=tokenizer) for s in servers]
+        token = token_file.read_text()
+        clients = [GenClient(s.url, token, tokenizer=tokenizer, adapters=bool(adapter)) for s in servers]
         for client in clients:
             client.wait_healthy(600)
+            if adapter:  # as a run publishes its first version (gen/adapters.py)
+                client.load_lora_adapter(adapter_name(1), opts.model_path)
+                client.update_weight_version(1, abort_all_requests=False)
         with MathVerifier() as verifier:
             for name, questions in sets.items():
                 records, results[name] = score_set(name, questions, prompt_ids(questions, tokenizer), clients,

@@ -27,6 +27,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from areal_hpc.control import timeline
+from areal_hpc.gen.adapters import ServedAdapter, version_of
+from areal_hpc.weights import adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +137,11 @@ class GenClient:
         tokenizer=None,
         capacity: int | None = None,
         name: str | None = None,
+        adapters: bool = False,
     ):
         self.url, self.token, self.timeout, self.tokenizer = url.rstrip("/"), token, timeout, tokenizer
+        # weight_update_mode adapter: each request names the adapter of the server's version (gen.adapters)
+        self.served = ServedAdapter(self._weight_version) if adapters else None
         self.name = name or self.url
         self.where = f"{name} ({self.url})" if name else self.url  # how errors name the server
         self.admission = admission(self.url, capacity) if capacity is not None else None
@@ -174,12 +179,44 @@ class GenClient:
         budget = self.timeout + SECS_PER_TOKEN * (params.get("max_new_tokens") or 0)
         n = n_prompts(input_ids if input_ids is not None else text) * params.get("n", 1)
         with self.admission.slots(n, stop) if self.admission else nullcontext():
-            result = self._call("POST", "/generate", body, timeout or budget)
+            result, version = self._send(body, timeout or budget)
         responses = result if isinstance(result, list) else [result]
         for r in responses:
             if "text" not in r and self.tokenizer is not None:
                 r["text"] = self.tokenizer.decode(r["output_ids"], skip_special_tokens=True)
+            if version is not None:  # the version of the adapter it ran on (gen.adapters)
+                r["meta_info"]["weight_version"] = str(version)
+                if r["meta_info"].get("finish_reason", {}).get("type") == "abort":
+                    self.served.expire()
         return responses
+
+    def _send(self, body: dict, timeout: float) -> tuple[Any, int | None]:
+        """POST /generate; with adapters, naming the one of the server's version: a request the server
+        refuses for its adapter (its version moved on since we asked: the adapter named is gone, or the base
+        is no longer served) goes once more under the name of the server's version now. Returns the answer
+        and the version named (None: no adapters)."""
+        if self.served is None:
+            return self._call("POST", "/generate", body, timeout), None
+        for last in (False, True):
+            version = self.served.version()
+            name = adapter_name(version)
+            try:
+                return self._call(
+                    "POST", "/generate", body | ({"lora_path": name} if name else {}), timeout
+                ), version
+            except GenServerError as exc:
+                if last or exc.status != 400 or "LoRA adapter" not in exc.message:
+                    raise
+                self.served.expire()
+        raise AssertionError("unreachable")
+
+    def _weight_version(self) -> int:
+        """The server's weight version (``/model_info``): the adapter its requests name."""
+        label = self.model_info().get("weight_version")
+        try:
+            return version_of(label)
+        except ValueError as exc:
+            raise GenServerError(self.where, "/model_info", 200, str(exc)) from None
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict:
         """Abort request ``rid``, or every request; they answer with what they have and finish reason abort."""
@@ -292,6 +329,25 @@ class GenClient:
             body["weight_version"] = str(weight_version)
         return self._succeed("/update_weights_from_tensor", body, timeout)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = None) -> dict:
+        """Make the server load the PEFT adapter in folder ``lora_path`` under ``lora_name`` (SGLang's route;
+        running requests go on meanwhile)."""
+        return self._succeed(
+            "/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)}, timeout
+        )
+
+    def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> dict:
+        """Make the server forget adapter ``lora_name`` (SGLang waits for the requests that run on it)."""
+        return self._succeed("/unload_lora_adapter", {"lora_name": lora_name}, timeout)
+
+    def update_weight_version(
+        self, version: int, abort_all_requests: bool, timeout: float | None = None
+    ) -> dict:
+        """Make the server report ``version`` as its weights' (and abort its running requests: they come back
+        with finish reason abort and what they have)."""
+        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        return self._succeed("/update_weight_version", body, timeout)
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """Make the server leave the weight group."""
         return self._succeed("/destroy_weights_update_group", {"group_name": group_name})
@@ -309,7 +365,9 @@ class GenClient:
         """POST ``body``; raises GenServerError unless the answer says ``success``."""
         result = self._call("POST", route, body, timeout)
         if not isinstance(result, dict) or not result.get("success", False):
-            message = result.get("message", str(result)) if isinstance(result, dict) else str(result)
+            message = str(result)
+            if isinstance(result, dict):  # SGLang's LoRA routes say why in error_message
+                message = result.get("message") or result.get("error_message") or message
             raise GenServerError(self.where, route, 200, message)
         return result
 
@@ -425,7 +483,7 @@ def _error_message(raw: bytes) -> str:
         error = body.get("error")
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        for key in ("message", "detail", "error"):
+        for key in ("message", "error_message", "detail", "error"):
             if key in body:
                 return str(body[key])
     return text

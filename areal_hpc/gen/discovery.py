@@ -27,10 +27,12 @@ def clients(
     tokenizer=None,
     timeout: float = START_TIMEOUT_SECS,
     capacity: int | None = None,
+    adapters: bool = False,
 ) -> list[GenClient]:
     """A client of each of the run's `n_servers` servers, once each announced itself (`tokenizer`: decodes
     the answers of servers that send no text; `capacity`: the samples a server runs at once,
-    max_running_requests, which this process sends it at most)."""
+    max_running_requests, which this process sends it at most; `adapters`: requests name the LoRA adapter
+    of their server's version, weight_update_mode adapter)."""
     token = run.token()
     return [
         GenClient(
@@ -39,6 +41,7 @@ def clients(
             tokenizer=tokenizer,
             capacity=capacity,
             name=task_name("gen_server", i),
+            adapters=adapters,
         )
         for i in range(n_servers)
     ]

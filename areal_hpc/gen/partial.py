@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from areal_hpc.gen.adapters import version_of
 from areal_hpc.gen.routing import decode, shape_of
 
 ABORT = "abort"
@@ -66,17 +67,6 @@ class PartialAnswer:
     @property
     def truncated(self) -> bool:
         return self.finish != "stop"
-
-
-def version_of(label) -> int:
-    """The weight version a response was generated with: SGLang reports a string, the label of our version
-    number we sent with the weights ("0" at launch, `--weight-version 0`); "default" is SGLang's label when
-    it was launched without one and never updated."""
-    if label is None or label == "default":
-        return 0
-    if not str(label).isdigit():
-        raise ValueError(f"weight_version {label!r} is not a label this run gives its weights")
-    return int(label)
 
 
 def from_response(

@@ -37,7 +37,10 @@ def run(ctx: RunContext) -> None:
     cfg, ds = ctx.cfg, ctx.cfg.dataset
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path)
     train = training_prompts(cfg, tokenizer)
-    clients = discovery.clients(ctx.run, len(ctx.allocation.gen_servers()), capacity=cfg.max_running_requests)
+    clients = discovery.clients(
+        ctx.run, len(ctx.allocation.gen_servers()), capacity=cfg.max_running_requests,
+        adapters=cfg.weight_update_mode == "adapter",
+    )  # fmt: skip
     _, total_steps = run_steps(cfg.exp_ctrl, len(train), ds.train_bs_n_seqs)
     max_concurrent = cfg.max_concurrent_rollouts or ds.train_bs_n_seqs
     point = wait_start_point(ctx.run, ctx.attempt)

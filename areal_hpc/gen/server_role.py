@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from areal_hpc.config import gen_backend
+from areal_hpc.config import gen_backend, server_targets
 from areal_hpc.control import START_TIMEOUT_SECS, RunContext, RunEndedError, fsio, poll_until, why_stop
 from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec, free_port, start_server
@@ -27,7 +27,7 @@ def server_spec(ctx: RunContext, visible: int | None = None, dist_init_addr: str
     server, node_rank = ctx.allocation.gen_tasks()[ctx.index]
     visible = torch.cuda.device_count() if visible is None else visible
     device = f"cuda:{server.index * tp % visible if server.n_nodes == 1 else 0}" if visible else "cpu"
-    sg = cfg.sglang
+    sg, targets = cfg.sglang, server_targets(cfg)  # LoRA: room for the actor's adapters
     return ServerSpec(
         model_path=cfg.actor.path, token_file=ctx.run.secret, host=ctx.bind_host, device=device, tp_size=tp,
         seed=cfg.seed + server.index, max_running_requests=cfg.max_running_requests, public_host=ctx.public_host,
@@ -35,6 +35,7 @@ def server_spec(ctx: RunContext, visible: int | None = None, dist_init_addr: str
         memory_saver=ctx.allocation.colocated, ep_size=sg.ep_size,
         enable_return_routed_experts=cfg.actor.router_replay == "rollout",
         nnodes=server.n_nodes, node_rank=node_rank, dist_init_addr=dist_init_addr,
+        max_lora_rank=cfg.actor.lora.rank if targets else 0, lora_target_modules=targets,
     )  # fmt: skip
 
 

@@ -247,14 +247,18 @@ class Master:
         return stats
 
     def save(self) -> None:
-        """A persistent HF checkpoint of the actor (REFERENCE section 1 naming)."""
+        """A persistent checkpoint of the actor (REFERENCE section 1 naming): HF weights, or a LoRA actor's
+        adapters as a PEFT folder (`areal-hpc export --merge` folds them into their base)."""
         c = self.counter
         last_epoch_step = (c.global_step - 1) % c.steps_per_epoch + 1
         path = self.rundir.checkpoint(
             "actor", (c.global_step - 1) // c.steps_per_epoch, last_epoch_step, c.global_step
         )
-        self.trainers.call_all("save", {"model": "actor", "path": str(path)})
-        logger.info("Saved actor weights to %s", path)
+        if self.cfg.actor.lora.rank:
+            self.trainers.call_all("save_adapter", {"path": str(path)})
+        else:
+            self.trainers.call_all("save", {"model": "actor", "path": str(path)})
+        logger.info("Saved actor %s to %s", "adapters" if self.cfg.actor.lora.rank else "weights", path)
         self.checkpoint_evals.submit(c.global_step, path)
 
     # --- starting and stopping --------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ def run(ctx: RunContext) -> None:
                 train.n_dropped, ds.max_prompt_len)  # fmt: skip
     heldout = prompts_of(cfg, ds.valid_path, tokenizer) if ds.valid_path else None
     clients = discovery.clients(
-        run, len(ctx.allocation.gen_servers()), tokenizer, capacity=cfg.max_running_requests
-    )
+        run, len(ctx.allocation.gen_servers()), tokenizer, capacity=cfg.max_running_requests,
+        adapters=cfg.weight_update_mode == "adapter",
+    )  # fmt: skip
     trainers = TrainerGroup(run, ctx.allocation.n_train_gpus)
     trainers.wait_started(START_TIMEOUT_SECS)
     graph = build_graph(cfg, trainer_only=True)

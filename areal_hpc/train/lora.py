@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from areal_hpc.weights import Adapter
+
 ADAPTER = "default"  # PEFT's name of the one adapter
 BASE, LORA_A, LORA_B = ".base_layer.", f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}."
 
@@ -47,6 +49,16 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+
+
+def adapter_of(named: Iterable[tuple[str, torch.Tensor]], rank: int, alpha: float, base: str) -> Adapter:
+    """The adapter (``weights/adapter.py``) among an adapted model's named full tensors."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        if is_adapter(name):
+            half = "A" if LORA_A in name else "B"
+            pairs.setdefault(name.split(LORA_A if half == "A" else LORA_B)[0], {})[half] = tensor
+    return Adapter(rank, alpha, base, {m: (ab["A"], ab["B"]) for m, ab in pairs.items()})
 
 
 def is_adapter(name: str) -> bool:

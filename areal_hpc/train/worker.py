@@ -213,6 +213,14 @@ class TrainerHandlers:
         path = self.engines[payload["model"]].save_hf(payload["path"])
         return {"path": None if path is None else str(path)}
 
+    def save_adapter(self, payload: dict) -> dict:
+        """The actor's LoRA adapter as a PEFT folder (rank 0 writes; every rank joins the gather)."""
+        engine = self.engines["actor"]
+        if not getattr(engine, "lora_scale", None):
+            raise RuntimeError("save_adapter needs an actor with actor.lora.rank > 0")
+        path = engine.save_adapter(payload["path"])
+        return {"path": None if path is None else str(path)}
+
     # --- recover checkpoints ----------------------------------------------------------------------------------
 
     def recover_save(self, payload: dict) -> dict:

@@ -5,9 +5,21 @@ group      the process group of trainer rank 0 and the servers (SGLang's weight-
 sender     trainer rank 0's end
 receiver   a server's end
 shared     tensors handed to a server of the same host (CUDA IPC, shared memory): weight_update_mode tensor
-publisher  the controller's end: `publish(version) -> stats` as weight_update_mode says (broadcast, disk, tensor)
+adapter    a LoRA adapter as a PEFT folder: written, read (checked), named by version, merged into its base
+publisher  the controller's end: `publish(version) -> stats` as weight_update_mode says (broadcast, disk,
+           tensor, adapter)
 """
 
+from areal_hpc.weights.adapter import (
+    Adapter,
+    AdapterError,
+    adapter_base,
+    adapter_name,
+    is_adapter_dir,
+    read_adapter,
+    write_adapter,
+    write_merged,
+)
 from areal_hpc.weights.bucket import FieldError, metas_from_fields
 from areal_hpc.weights.group import host_store
 from areal_hpc.weights.publisher import (
@@ -22,6 +34,14 @@ from areal_hpc.weights.sender import WeightSender, plan_payload
 from areal_hpc.weights.shared import SharedWeights
 
 __all__ = [
+    "Adapter",
+    "AdapterError",
+    "adapter_base",
+    "adapter_name",
+    "is_adapter_dir",
+    "read_adapter",
+    "write_adapter",
+    "write_merged",
     "FLATTENED",
     "BroadcastPublisher",
     "DiskPublisher",

@@ -18,6 +18,12 @@ holds them, sharing them by CUDA IPC handles (``shared.py``); each server's TP r
 ranks on their own GPUs with ``/update_weights_from_tensor`` (SGLang's API); then the ranks drop them. No disk,
 no copy on the way, and no GPU read by the servers of other GPUs.
 
+``AdapterPublisher`` (``weight_update_mode: adapter``, a LoRA actor): trainer rank 0 writes the adapters of the
+version as a PEFT folder (megabytes); every server loads it under the version's name (``/load_lora_adapter``:
+generation goes on meanwhile), then reports the version (``/update_weight_version``, which interrupts running
+requests when generation is interruptible), and lets the previous adapter go; requests name the adapter of their
+server's version (``gen/adapters.py``).
+
 The parts of one step run concurrently and are awaited together within ``timeout`` seconds: a part that fails
 or does not finish in time raises ``WeightSyncError`` naming the server or trainer rank and why, so the run
 fails instead of hanging. Each reports ``timeperf/weight_sync`` and ``weight_sync/bytes``.
@@ -37,6 +43,7 @@ from typing import Any
 
 from areal_hpc.config import allocation_of
 from areal_hpc.control import read_manifest, snapshot_bytes
+from areal_hpc.weights.adapter import adapter_name
 from areal_hpc.weights.group import server_ranks
 from areal_hpc.weights.receiver import FLATTENED
 
@@ -267,6 +274,45 @@ class TensorPublisher:
         return {"timeperf/weight_sync": secs, "weight_sync/bytes": float(shared[ranks[0]]["bytes"])}
 
 
+class AdapterPublisher:
+    """Publishes a LoRA actor's adapters through a PEFT folder per version in ``snapshot_dir(version)``."""
+
+    def __init__(self, snapshot_dir: Callable[[int], Path], trainers, clients: Sequence, timeout=300.0,
+                 abort_all_requests=True):  # fmt: skip
+        self.snapshot_dir, self.trainers = snapshot_dir, trainers
+        self.clients, self.timeout, self.abort_all = list(clients), timeout, abort_all_requests
+        self.loaded: tuple[int, str] | None = None  # the version and name the servers hold from us
+
+    def publish(self, version: int) -> dict[str, float]:
+        start, path, name = time.monotonic(), self.snapshot_dir(version), adapter_name(version)
+        self.trainers.call_all("save_adapter", {"path": str(path)})
+        nbytes = snapshot_bytes(read_manifest(path))
+
+        def update(c) -> None:
+            c.load_lora_adapter(name, str(path), timeout=self.timeout)
+            c.update_weight_version(version, self.abort_all, timeout=self.timeout)
+
+        servers = {server_name(i, c): c for i, c in enumerate(self.clients)}
+        run_all({n: lambda c=c: update(c) for n, c in servers.items()}, self.timeout + MARGIN_S,
+                f"loading adapter {path}")  # fmt: skip
+        if self.loaded is not None and self.loaded[0] != version:
+            old_version, old = self.loaded
+            # The servers hold it in memory: its folder goes now. SGLang unloads it once its last running
+            # request ends (not interruptible: maybe minutes), which no publication waits for.
+            shutil.rmtree(self.snapshot_dir(old_version), ignore_errors=True)
+            for n, c in servers.items():
+                threading.Thread(target=_unload, args=(n, c, old, self.timeout), daemon=True).start()
+        self.loaded = (version, name)
+        return {"timeperf/weight_sync": time.monotonic() - start, "weight_sync/bytes": float(nbytes)}
+
+
+def _unload(server: str, client, name: str, timeout: float) -> None:
+    try:
+        client.unload_lora_adapter(name, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 (a server that kept it holds one adapter more; nothing is wrong)
+        log.warning("%s: adapter %s not unloaded: %s", server, name, exc)
+
+
 def share_sources(servers: Sequence, n_trainers: int) -> list[list[int]]:
     """For each colocated server, the trainer rank each of its TP ranks copies the weights from: the one on the
     same GPU (the trainer step runs rank r on the job's GPU r)."""
@@ -282,6 +328,8 @@ def make_publisher(cfg, run, trainers, clients: Sequence):
         tp = allocation_of(cfg).gen_tensor
         bucket = cfg.weight_update_bucket_mb * 2**20
         return BroadcastPublisher(trainers, clients, timeout, bucket, interrupt, tp_size=tp)
+    if cfg.weight_update_mode == "adapter":
+        return AdapterPublisher(run.adapter_snapshot, trainers, clients, timeout, interrupt)
     if cfg.weight_update_mode == "tensor":
         sources = share_sources(allocation_of(cfg).gen_servers(), trainers.n_ranks)
         return TensorPublisher(trainers, clients, sources, timeout, interrupt)

@@ -51,6 +51,9 @@ class ServerSpec:
     max_total_tokens: int | None = None  # a cap on the KV pool's positions (SGLang's flag; tests use it)
     # Routing replay (actor.router_replay rollout): answers carry each token's routed experts when asked.
     enable_return_routed_experts: bool = False
+    # LoRA (weight_update_mode adapter): SGLang's --enable-lora with --max-lora-rank and --lora-target-modules.
+    max_lora_rank: int = 0  # 0: LoRA off
+    lora_target_modules: tuple[str, ...] = ()
 
 
 class Server(Protocol):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from areal_hpc.control import write_manifest
+from areal_hpc.control import fsio, write_manifest
 from areal_hpc.train import dist
 from areal_hpc.train.models import VALUE_HEAD_FILE, ValueModel, copy_tokenizer
 
@@ -42,9 +41,7 @@ def write_hf_dir(
             pass
         return None
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fsio.temporary_dir(path)
     critic = isinstance(model, ValueModel)
     base = model.base if critic else model
     head: dict[str, torch.Tensor] = {}
@@ -79,13 +76,7 @@ def write_hf_dir(
     _write_config(base, tmp, dtype)
     copy_tokenizer(source_dir, tmp)
     write_manifest(tmp)
-    if path.exists():  # a directory cannot be renamed over a non-empty one: move the old one aside
-        old = path.with_name(f".{path.name}.old{os.getpid()}")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, path)
+    fsio.move_into_place(tmp, path)
     return path
 
 

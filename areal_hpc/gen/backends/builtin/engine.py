@@ -31,10 +31,12 @@ from transformers import AutoConfig
 from areal_hpc.control import MANIFEST, verify_snapshot
 from areal_hpc.gen.backends.builtin import cache
 from areal_hpc.gen.backends.builtin.loading import eos_token_ids, load_tokenizer, resolve_dtype
+from areal_hpc.gen.backends.builtin.lora import Adapters
 from areal_hpc.gen.backends.builtin.model import Decoder, Shape
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
 from areal_hpc.gen.backends.builtin.runner import Runner
 from areal_hpc.gen.backends.builtin.scheduler import Row, Scheduler
+from areal_hpc.weights import AdapterError
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +94,16 @@ class Engine:
         context_length: int | None = None,
         max_total_tokens: int | None = None,
         return_routed_experts: bool = False,
+        max_lora_rank: int = 0,
+        lora_targets: tuple[str, ...] = (),
     ):
         self.model_path, self.tokenizer_path = str(model_path), str(tokenizer_path or model_path)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.seed, self.max_batch_size, self.weight_version = seed, max_batch_size, str(weight_version)
         decoder = Decoder.from_pretrained(self.model_path, self.device, self.dtype)
+        if max_lora_rank:  # SGLang's --enable-lora: room for adapters, before any graph is captured
+            decoder.enable_lora(max_lora_rank, lora_targets)
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         config = decoder.config
         self.vocab_size = config.vocab_size
@@ -123,6 +129,7 @@ class Engine:
         self._released: set[str] = set()  # memory tags given back (colocated: the trainers use it meanwhile)
         self._stale = False  # the weights' memory came back without its contents: serve none until an update
         self._update_lock = threading.Lock()  # one weight load at a time
+        self.adapters = Adapters(decoder.lora, self._between_steps)  # LoRA (lora.py)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
 
@@ -158,12 +165,18 @@ class Engine:
     # --- requests -----------------------------------------------------------------------------------------
 
     def submit(
-        self, prompts: list[list[int]], params: SamplingParams, rid: str | None = None, routed: bool = False
-    ) -> Request:
+        self, prompts: list[list[int]], params: SamplingParams, rid: str | None = None, routed: bool = False,
+        adapter: str | None = None,
+    ) -> Request:  # fmt: skip
         """Queue ``prompts`` x ``params.n`` rows under one request id; RequestError names a bad field. ``routed``:
-        return each sample's routed experts (only when the engine records them, as SGLang ignores it else)."""
+        return each sample's routed experts (only when the engine records them, as SGLang ignores it else).
+        ``adapter``: the LoRA adapter it names (SGLang's lora_path)."""
         if not prompts or not all(prompts):
             raise RequestError("input_ids", "missing input: every prompt needs at least one token")
+        try:
+            self.adapters.check_request(adapter)
+        except AdapterError as exc:
+            raise RequestError("lora_path", str(exc)) from None
         for i, prompt in enumerate(prompts):
             if max(prompt) >= self.vocab_size:
                 raise RequestError("input_ids", f"token id {max(prompt)} >= vocab size {self.vocab_size}")
@@ -400,6 +413,23 @@ class Engine:
                 with self._cond:
                     self._draining = False
                     self._cond.notify_all()
+
+    def _between_steps(self, fn: Callable[[], None]) -> None:
+        """``fn()`` on the engine thread between two steps, then the prefix cache dropped (an adapter loaded or
+        unloaded: the cached keys and values are another policy's); one such change or weight load at a time."""
+        with self._update_lock:
+            self._call(lambda: (fn(), self._sched.flush_cache()))
+
+    def set_weight_version(self, version: str, abort_all: bool) -> None:
+        """Report ``version`` from now on (SGLang's /update_weight_version); ``abort_all``: running requests
+        end first, with finish reason abort and what they have."""
+
+        def swap() -> None:
+            if abort_all:
+                self._abort_now(lambda req: True, "aborted for a weight version update")
+            self.weight_version = str(version)
+
+        self._call(swap)
 
     def _drain(self, poll: float = 0.01) -> None:
         """Stop admitting rows and wait until the running ones have finished."""

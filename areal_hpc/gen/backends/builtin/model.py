@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from areal_hpc.gen.backends.builtin.lora import SidePath
 from areal_hpc.gen.backends.builtin.moe import Experts, MoeShape, layer_shapes, layer_views
 
 
@@ -151,6 +152,11 @@ class Decoder:
         # Eager silu_mul for the experts: they call it with many shapes (and sizes 1, which torch.compile
         # specialises on), so a compiled one would recompile past its limit.
         self.experts = Experts(moe, self.shape.hidden, device, dtype, silu_mul) if moe else None
+        self.lora: SidePath | None = None  # adapters (enable_lora): a low-rank side path beside the weights
+
+    def enable_lora(self, max_rank: int, targets: tuple[str, ...]) -> None:
+        """Make room for adapters up to ``max_rank`` on ``targets`` (before any CUDA graph is captured)."""
+        self.lora = SidePath(self, max_rank, targets)
 
     @classmethod
     def from_pretrained(cls, path: str, device: torch.device, dtype: torch.dtype) -> Decoder:
@@ -285,21 +291,27 @@ class Decoder:
         h = norm(x, p["0.in_norm"], s.eps)
         for i in range(s.layers):
             pre = f"{i}."
-            qkv = F.linear(h, p[pre + "qkv"], p.get(pre + "qkv_bias"))
+            qkv = self._linear(h, pre + "qkv", p.get(pre + "qkv_bias"))
             q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
             q, k = q.view(-1, s.heads, s.head_dim), k.view(-1, s.kv_heads, s.head_dim)
             if self.arch.qk_norm:
                 q, k = norm(q, p[pre + "q_norm"], s.eps), norm(k, p[pre + "k_norm"], s.eps)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             out = attend(i, q, k, v.view(-1, s.kv_heads, s.head_dim))
-            out = F.linear(out.reshape(-1, q_size), p[pre + "o"], p.get(pre + "o_bias"))
+            out = self._linear(out.reshape(-1, q_size), pre + "o", p.get(pre + "o_bias"))
             x, h = add_norm(x, out, p[pre + "post_norm"], s.eps)
             if s.sparse(i):
                 delta = self.experts.forward(p, pre, h, static, None if record is None else record[:, i])
             else:
-                delta = F.linear(self._silu_mul(F.linear(h, p[pre + "gate_up"])), p[pre + "down"])
+                delta = self._linear(self._silu_mul(self._linear(h, pre + "gate_up")), pre + "down")
             # The residual sum and the next norm (the next layer's input norm, or the final one) in one.
             x, h = add_norm(x, delta, p[f"{i + 1}.in_norm"] if i + 1 < s.layers else p["norm"], s.eps)
         if last is not None:
             h = h[last]
         return F.linear(h, p["embed"] if s.tied else p["lm_head"])
+
+    def _linear(self, h: torch.Tensor, key: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Fused weight ``key``'s product with ``h``, and its adapter's when it has one."""
+        out = F.linear(h, self.params[key], bias)
+        side = self.lora.delta(key, h) if self.lora is not None else None
+        return out if side is None else out + side

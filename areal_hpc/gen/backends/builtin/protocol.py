@@ -131,13 +131,14 @@ class GenerateInput:
     return_text_in_logprobs: bool
     return_routed_experts: bool  # honoured only by a server that records them (SGLang's contract)
     batched: bool  # answer with a list (a list of prompts, or n > 1) rather than one object
+    lora_path: str | None = None  # the adapter it names (SGLang: its lora_name); None: the base model
 
 
 def parse_generate(body: Any, encode: Callable[[str], list[int]] | None) -> GenerateInput:
     """Validate a ``/generate`` body; ``encode`` tokenizes ``text`` (None when the server has no tokenizer)."""
     if not isinstance(body, dict):
         raise RequestError(None, "the body must be a JSON object")
-    # Other top-level fields (image_data, lora_path, ...) are ignored, as SGLang ignores what it does not use;
+    # Other top-level fields (image_data, ...) are ignored, as SGLang ignores what it does not use;
     # unknown sampling params are refused (SamplingParams), as SGLang refuses them.
     if body.get("stream"):
         raise RequestError("stream", "streaming is not supported by the built-in server")
@@ -152,7 +153,25 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]] | None) -> Gene
         return_text_in_logprobs=f.boolean("return_text_in_logprobs", False),
         return_routed_experts=f.boolean("return_routed_experts", False),
         batched=listed or params.n > 1,
+        lora_path=_lora_path(body.get("lora_path"), len(prompts)),
     )
+
+
+def _lora_path(value: Any, n_prompts: int) -> str | None:
+    """SGLang's lora_path: one adapter name, or one per prompt; this server holds one adapter at a time, so
+    a list must name one adapter throughout."""
+    names = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and len(value) != n_prompts:
+        raise RequestError(
+            "lora_path", f"a list must name one adapter per prompt ({n_prompts}), got {len(value)}"
+        )
+    if not all(n is None or (isinstance(n, str) and n) for n in names):
+        raise RequestError(
+            "lora_path", "must be an adapter's name (a non-empty string), null, or a list of them"
+        )
+    if len(set(names)) > 1:
+        raise RequestError("lora_path", f"names several adapters {sorted(set(map(str, names)))}; this server runs one at a time")  # fmt: skip
+    return names[0] if names else None
 
 
 def _prompts(body: dict, encode: Callable[[str], list[int]] | None) -> tuple[list[list[int]], bool]:

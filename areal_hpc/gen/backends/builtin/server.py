@@ -23,6 +23,10 @@ a route does not use are ignored, as SGLang ignores them)::
                                     idle; the weights' storage is freed and /generate refused meanwhile
     POST /resume_memory_occupation  {"tags"}: resumed weights hold no values; /generate waits for an update
     POST|GET /flush_cache           forget the prefix cache; 400 while requests run (as SGLang)
+    POST /load_lora_adapter         {"lora_name", "lora_path"}: a PEFT folder (--enable-lora; one adapter at a
+                                    time: lora.py); /generate's lora_path names it
+    POST /unload_lora_adapter       {"lora_name"}; both answer {"success", "error_message", "loaded_adapters"}
+    POST /update_weight_version     {"new_version", "abort_all_requests" (true)}
     GET  /health, /health_generate  200 while serving, 503 when the engine stopped
     GET  /model_info, /server_info  (also under SGLang's older names /get_model_info, /get_server_info)
 
@@ -31,6 +35,7 @@ Usage::
     python -m areal_hpc.gen.backends.builtin.server --model-path P --token-file RUN/secret [--host 127.0.0.1] [--port 0]
         [--address-file A] [--seed S] [--max-batch-size N] [--device cpu] [--dtype float32]
         [--mem-fraction-static F] [--context-length N] [--enable-return-routed-experts]
+        [--enable-lora --max-lora-rank R --lora-target-modules all|q_proj ...]
 
 The three weight updates take SGLang's default abort_all_requests (false): running requests finish first,
 unless generation is paused (then they continue on the new weights).
@@ -64,8 +69,9 @@ import torch
 from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec
 from areal_hpc.gen.backends.builtin.engine import Engine, Request
+from areal_hpc.gen.backends.builtin.lora import ALL
 from areal_hpc.gen.backends.builtin.protocol import RequestError, format_output, parse_generate
-from areal_hpc.weights import FLATTENED, FieldError, ReceiverGroups, metas_from_fields, shared
+from areal_hpc.weights import FLATTENED, AdapterError, FieldError, ReceiverGroups, metas_from_fields, shared
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,9 @@ class App:
             ("POST", "/continue_generation"): self.continue_generation,
             ("POST", "/release_memory_occupation"): self.release_memory_occupation,
             ("POST", "/resume_memory_occupation"): self.resume_memory_occupation,
+            ("POST", "/load_lora_adapter"): self.load_lora_adapter,
+            ("POST", "/unload_lora_adapter"): self.unload_lora_adapter,
+            ("POST", "/update_weight_version"): self.update_weight_version,
             ("POST", "/flush_cache"): self.flush_cache,
             ("GET", "/flush_cache"): self.flush_cache,
             ("GET", "/health"): self.health,
@@ -137,7 +146,9 @@ class App:
         requests: list[Request] = []
         try:
             for rid, prompts in groups or [(req.rid, req.prompts)]:
-                requests.append(self.engine.submit(prompts, req.params, rid, req.return_routed_experts))
+                requests.append(
+                    self.engine.submit(prompts, req.params, rid, req.return_routed_experts, req.lora_path)
+                )
         except Exception:
             for request in requests:  # all or nothing
                 self.engine.abort(request.rid)
@@ -259,6 +270,31 @@ class App:
     def flush_cache(self, body: dict) -> tuple[int, Any]:
         pages = self.engine.flush_cache()
         return 200, {"success": True, "message": f"cache flushed ({pages} pages of the prefix cache freed)"}
+
+    def load_lora_adapter(self, body: dict) -> tuple[int, Any]:
+        name, path = _field(body, "lora_name", str), _field(body, "lora_path", str)
+        return self._adapters(lambda: self.engine.adapters.load(name, path, self.engine.device))
+
+    def unload_lora_adapter(self, body: dict) -> tuple[int, Any]:
+        name = _field(body, "lora_name", str)
+        return self._adapters(lambda: self.engine.adapters.unload(name))
+
+    def _adapters(self, change: Callable[[], dict]) -> tuple[int, Any]:
+        """SGLang's answer to a LoRA route: 200 with the adapters loaded, or 400 saying why not."""
+        try:
+            return 200, {"success": True, "error_message": "", "loaded_adapters": change()}
+        except (AdapterError, OSError) as exc:
+            loaded = self.engine.adapters.loaded
+            return 400, {"success": False, "error_message": str(exc), "loaded_adapters": loaded}
+
+    def update_weight_version(self, body: dict) -> tuple[int, Any]:
+        version = _field(body, "new_version", str)
+        self.engine.set_weight_version(version, _flag(body, "abort_all_requests", True))
+        return 200, {
+            "success": True,
+            "message": f"Weight version updated to {version}",
+            "new_version": version,
+        }
 
     def health(self, body: dict) -> tuple[int, Any]:
         return (
@@ -401,6 +437,7 @@ class BuiltinServer:
             max_batch_size=spec.max_running_requests, weight_version=spec.weight_version,
             mem_fraction_static=spec.mem_fraction_static, context_length=spec.context_length,
             max_total_tokens=spec.max_total_tokens, return_routed_experts=spec.enable_return_routed_experts,
+            max_lora_rank=spec.max_lora_rank, lora_targets=spec.lora_target_modules,
         ).start()  # fmt: skip
         args = {k: v for k, v in dataclasses.asdict(spec).items() if k != "token_file"}
         args.update(
@@ -464,12 +501,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSpec, str | None]:
         "--enable-return-routed-experts", action="store_true",
         help="record each token's routed experts (a mixture of experts) for requests with return_routed_experts",
     )  # fmt: skip
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
+    p.add_argument(
+        "--max-lora-rank", type=int, default=None, help="the largest adapter rank (with --enable-lora)"
+    )
+    p.add_argument(
+        "--lora-target-modules", nargs="*", choices=[*ALL, "all"], default=None,
+        help="the modules adapters may adapt (with --enable-lora; all: every one this engine has)",
+    )  # fmt: skip
     ns = p.parse_args(argv)
+    if ns.enable_lora != bool(ns.max_lora_rank and ns.lora_target_modules):
+        p.error(
+            "--enable-lora goes with --max-lora-rank and --lora-target-modules, as SGLang's without --lora-paths"
+        )
+    targets = tuple(ALL if ns.lora_target_modules == ["all"] else ns.lora_target_modules or ())
     spec = ServerSpec(
         ns.model_path, Path(ns.token_file), ns.host, ns.port, ns.device, dtype=ns.dtype, seed=ns.seed,
         max_running_requests=ns.max_batch_size, weight_version=ns.weight_version, cpu_threads=ns.num_threads,
         mem_fraction_static=ns.mem_fraction_static, context_length=ns.context_length,
         max_total_tokens=ns.max_total_tokens, enable_return_routed_experts=ns.enable_return_routed_experts,
+        max_lora_rank=ns.max_lora_rank or 0, lora_target_modules=targets,
     )  # fmt: skip
     return spec, ns.address_file
 

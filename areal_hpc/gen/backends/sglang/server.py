@@ -40,6 +40,9 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
         cmd += ["--ep-size", str(spec.ep_size)]
     if spec.enable_return_routed_experts:  # routing replay: without it SGLang drops return_routed_experts
         cmd.append("--enable-return-routed-experts")
+    if spec.max_lora_rank:  # LoRA adapters published each version (weights.publisher.AdapterPublisher)
+        cmd += ["--enable-lora", "--max-lora-rank", str(spec.max_lora_rank), "--lora-target-modules"]
+        cmd += list(spec.lora_target_modules)
     if spec.nnodes > 1:  # node rank 0 serves HTTP, the others run their part of the model
         cmd += ["--dist-init-addr", spec.dist_init_addr, "--nnodes", str(spec.nnodes)]
         cmd += ["--node-rank", str(spec.node_rank)]

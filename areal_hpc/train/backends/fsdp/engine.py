@@ -41,6 +41,7 @@ from areal_hpc.train.microbatch import EMPTY_MB, in_packed_order, micro_batch_gr
 from areal_hpc.train.models import DTYPES, ValueModel, compile_pointwise, enable_checkpointing, load_model
 from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
+from areal_hpc.weights import write_adapter
 
 
 class PackedModel(nn.Module):
@@ -237,6 +238,21 @@ class FSDPEngine(RecoverState):
     def save_hf(self, path: str | Path) -> Path | None:
         """The model as an HF directory (a collective; rank 0 writes shard files as tensors are gathered)."""
         return write_hf_dir(path, self.net.model, self.hf_weights(), self.source_dir, self.dtype)
+
+    def save_adapter(self, path: str | Path) -> Path | None:
+        """The adapters alone as a PEFT folder (a collective; rank 0 writes it and returns its path)."""
+        a = self.cfg.lora
+        full = [
+            (name, p.full_tensor() if isinstance(p, DTensor) else p)
+            for name, p in self.net.model.named_parameters()
+            if lora.is_adapter(name)
+        ]
+        if dist.get_rank() != 0:
+            return None
+        adapter = lora.adapter_of(
+            ((n, t.detach().to(self.dtype)) for n, t in full), a.rank, a.alpha, str(self.source_dir)
+        )
+        return write_adapter(path, adapter)
 
     # --- recover state ----------------------------------------------------------------------------------
 

@@ -1,0 +1,51 @@
+"""Which LoRA adapter a request names (``weight_update_mode: adapter``).
+
+Each weight version v >= 1 of a LoRA actor reaches the servers as an adapter loaded under the name
+``adapter_name(v)`` (``weights.publisher.AdapterPublisher``), after which the server reports v as its
+weight_version. A request must name the adapter it runs on (SGLang's ``lora_path``); version 0 is the base
+model itself (PEFT starts B at zero), so it names none. Each client learns its server's version from
+``/model_info``, again after ``REFRESH_SECS`` or after an answer came back interrupted (a weight update does
+that), and labels every answer with the version of the adapter it named: on SGLang that is exactly what ran
+(a request keeps its adapter to its end, even across an update), on the built-in engine, which holds one
+adapter, an answer may have gone on under the next one, so the label is the older of the two, as a paused
+request's is across a full-weight update.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+REFRESH_SECS = 1.0
+
+
+def version_of(label) -> int:
+    """The weight version a response was generated with: SGLang reports a string, the label of our version
+    number we sent with the weights ("0" at launch, `--weight-version 0`); "default" is SGLang's label when
+    it was launched without one and never updated."""
+    if label is None or label == "default":
+        return 0
+    if not str(label).isdigit():
+        raise ValueError(f"weight_version {label!r} is not a label this run gives its weights")
+    return int(label)
+
+
+class ServedAdapter:
+    """The weight version one server serves, as its clients in this process last learned it."""
+
+    def __init__(self, ask: Callable[[], int]):
+        self._ask, self._lock = ask, threading.Lock()
+        self._version, self._asked = 0, float("-inf")
+
+    def version(self) -> int:
+        """The server's version, asked again when the last answer is older than REFRESH_SECS."""
+        with self._lock:
+            if time.monotonic() - self._asked > REFRESH_SECS:
+                self._version, self._asked = self._ask(), time.monotonic()
+            return self._version
+
+    def expire(self) -> None:
+        """The next request asks first (an answer came back interrupted: a new version may be there)."""
+        with self._lock:
+            self._asked = float("-inf")

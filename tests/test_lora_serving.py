@@ -1,0 +1,105 @@
+"""A LoRA actor's adapters leave the trainer as PEFT folders (weights/adapter.py) and are served as they are:
+PEFT loads them, the built-in engine runs them as a side path (SGLang's /load_lora_adapter and lora_path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from areal_hpc.config.schema import MicroBatchSpec
+from areal_hpc.gen.backends.builtin.engine import Engine
+from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
+from areal_hpc.train.backends.fsdp.engine import FSDPEngine
+from areal_hpc.weights.adapter import AdapterError, merged, read_adapter
+from tests.test_fsdp_engine import packed
+from tests.test_lora import lora_actor, step
+
+TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """A LoRA actor after two steps, and its adapter as published."""
+    engine = FSDPEngine(lora_actor(tiny_model_dir, targets=TARGETS), total_train_steps=2)
+    batch = packed()
+    step(engine, batch)
+    step(engine, batch)
+    folder = engine.save_adapter(tmp_path_factory.mktemp("adapter") / "v2")
+    return engine, batch, folder
+
+
+def test_the_published_adapter_loads_in_peft_and_gives_the_trainers_logprobs(trained, tiny_model_dir):
+    engine, batch, folder = trained
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (
+        config["peft_type"] == "LORA"
+        and config["r"] == 4
+        and sorted(config["target_modules"]) == sorted(TARGETS)
+    )
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, folder).merge_and_unload()
+    mine = engine.logprobs(batch, 1.0, MicroBatchSpec())
+    ids = torch.tensor(batch["packed_input_ids"])[None]
+    cu = batch["cu_seqlens"]
+    with torch.no_grad():
+        for i in range(len(cu) - 1):
+            seq = ids[:, cu[i] : cu[i + 1]]
+            logits = peft(seq).logits.float().log_softmax(-1)
+            theirs = logits[0, :-1].gather(-1, seq[0, 1:, None])[:, 0]
+            torch.testing.assert_close(mine[cu[i] + 1 : cu[i + 1]], theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_folded_into_its_base_is_the_merged_model(trained, tiny_model_dir):
+    engine, batch, folder = trained
+    adapter = read_adapter(folder)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    folded = dict(merged(base.items(), adapter))
+    for name, tensor in engine.hf_weights():
+        torch.testing.assert_close(folded[name], tensor, rtol=1e-6, atol=1e-6)
+
+
+def test_a_hostile_adapter_folder_is_refused_by_name(trained, tmp_path):
+    _, _, folder = trained
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True})
+    )
+    with pytest.raises(AdapterError, match="use_dora"):
+        read_adapter(bad)
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 0, "lora_alpha": 8}))
+    with pytest.raises(AdapterError, match="r is 0"):
+        read_adapter(bad)
+    (folder / "adapter_model.safetensors").read_bytes()  # (the real one is untouched)
+
+
+def test_the_builtin_engine_serves_the_adapter_with_the_trainers_logprobs(trained, tiny_model_dir):
+    trainer, batch, folder = trained
+    engine = Engine(tiny_model_dir, max_batch_size=4, max_lora_rank=8, lora_targets=TARGETS).start()
+    try:
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        prompt = [int(t) for t in batch["packed_input_ids"][: batch["cu_seqlens"][1]]][:5]
+        base = engine.submit([prompt], greedy).wait()[0]
+        engine.adapters.load("policy-v2", str(folder), engine.device)
+        with pytest.raises(RequestError, match="serves LoRA adapter policy-v2"):
+            engine.submit([prompt], greedy)  # the base alone is no longer what it serves
+        with pytest.raises(RequestError, match="never been loaded: policy-v9"):
+            engine.submit([prompt], greedy, adapter="policy-v9")
+        out = engine.submit([prompt], greedy, adapter="policy-v2").wait()[0]
+        seq = {
+            "packed_input_ids": torch.tensor(prompt + out.output_ids).numpy(),
+            "cu_seqlens": torch.tensor([0, len(prompt) + len(out.output_ids)]).numpy(),
+        }
+        expected = trainer.logprobs(seq, 1.0, MicroBatchSpec())[len(prompt) :]
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, rtol=1e-4, atol=1e-4)
+        engine.adapters.unload("policy-v2")
+        again = engine.submit([prompt], greedy).wait()[0]
+        assert again.output_ids == base.output_ids and again.logprobs == pytest.approx(
+            base.logprobs, abs=1e-5
+        )
+    finally:
+        engine.stop()
