@@ -37,6 +37,7 @@ CASES = {
     "qwen3-1.7b-32gpu": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"), ()),
     "qwen2.5-32b-64gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"), ()),
     "qwen3-1.7b-1gpu-colocated": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"), ()),
+    "qwen2.5-7b-1gpu-lora": (("qwen3-1.7b-8gpu.yaml", "qwen2.5-7b-1gpu-lora.yaml"), ()),
     "qwen3-1.7b-8gpu-tools": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-tools.yaml"), ()),
     "qwen3-30b-a3b-16gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-30b-a3b-16gpu-megatron.yaml"), ()),
     "qwen3-235b-a22b-128gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-235b-a22b-128gpu-megatron.yaml"), ()),

@@ -149,3 +149,18 @@ def test_a_grpo_run_publishes_its_adapters_and_its_servers_run_them(toy):
     base = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).state_dict()
     assert merged.keys() <= base.keys()
     assert not all(torch.equal(merged[n].float(), base[n]) for n in merged)  # the adapters moved the weights
+
+
+@pytest.mark.slow
+def test_colocated_lora_steps_are_the_decoupled_ones(toy):
+    """Colocated servers keep their base weights and give back their KV cache alone while the trainer trains;
+    the adapters reach them as they reach servers of their own: the same seed, the same rewards."""
+    lora = ("actor.lora.rank=8", "actor.lora.alpha=16", "ppo.adv_norm=false", "weight_update_mode=adapter")
+    decoupled = toy.config("lora-decoupled", 3, *lora)
+    colocated = toy.config("lora-colocated", 3, *lora, "cluster.n_nodes=1", "allocation_mode=d1p1m1")
+    assert run_local(decoupled) == 0 and run_local(colocated) == 0
+    apart, shared = (
+        [r for r in read_stats(run_dir_of(c).stats) if REWARD in r] for c in (decoupled, colocated)
+    )
+    assert [r[REWARD] for r in shared] == [r[REWARD] for r in apart]
+    assert all(r["timeperf/release_memory"] > 0 for r in shared)

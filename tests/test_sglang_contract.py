@@ -129,6 +129,10 @@ REPLIES = {  # a route not here answers 200 with an empty body, as SGLang's /abo
     "/destroy_weights_update_group": DONE,
     "/pause_generation": PAUSED,
     "/continue_generation": PAUSED,
+    "/load_lora_adapter": {"success": True, "error_message": "", "loaded_adapters": {"policy-v3": "/a"}},
+    "/unload_lora_adapter": {"success": True, "error_message": "", "loaded_adapters": {}},
+    "/update_weight_version": {"success": True, "message": "", "new_version": "3"},
+    "/model_info": {"model_path": "/m", "is_generation": True, "weight_version": "3"},
 }
 
 
@@ -152,11 +156,15 @@ def client_calls(params: dict) -> dict[str, Callable[[GenClient], Any]]:
         "/destroy_weights_update_group": lambda c: c.destroy_weights_update_group("g"),
         "/release_memory_occupation": lambda c: c.release_memory_occupation(),
         "/resume_memory_occupation": lambda c: c.resume_memory_occupation(["weights"]),
+        "/load_lora_adapter": lambda c: c.load_lora_adapter("policy-v3", "/shared/weights/adapter-v3"),
+        "/unload_lora_adapter": lambda c: c.unload_lora_adapter("policy-v2"),
+        "/update_weight_version": lambda c: c.update_weight_version(3, abort_all_requests=True),
     }
 
 
-def sent_bodies(calls: dict[str, Callable[[GenClient], Any]] | None = None) -> dict[str, dict]:
-    """The body of every call the client makes (or of `calls`), as a server receives it."""
+def sent_bodies(calls: dict[str, Callable[[GenClient], Any]] | None = None, **client) -> dict[str, dict]:
+    """The body of every call the client makes (or of `calls`, by a GenClient of `client` options), as a
+    server receives it."""
     bodies: dict[str, dict] = {}
 
     class Capture(BaseHTTPRequestHandler):
@@ -178,7 +186,7 @@ def sent_bodies(calls: dict[str, Callable[[GenClient], Any]] | None = None) -> d
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Capture)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        c = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "key")
+        c = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "key", **client)
         if calls is None:
             calls = client_calls(sampling_params(load_config([REPO / "configs/qwen3-1.7b-8gpu.yaml"])))
         for call in calls.values():
@@ -190,13 +198,38 @@ def sent_bodies(calls: dict[str, Callable[[GenClient], Any]] | None = None) -> d
 
 def test_every_body_the_client_sends_builds_the_request_sglang_takes_there():
     routes, bodies = request_classes(), sent_bodies()
-    assert len(bodies) == 11
+    assert len(bodies) == 14
     for route, body in bodies.items():
         fields = class_fields(routes[route])
         unknown = set(body) - set(fields) - OURS.get(route, set())
         missing = {f for f, required in fields.items() if required} - set(body)
         assert not unknown and not missing, (route, routes[route], unknown, missing)
     assert isinstance(bodies["/update_weights_from_distributed"]["weight_version"], str)  # str there, not int
+
+
+def test_a_request_of_a_lora_run_names_the_adapter_of_its_servers_version_in_generates_own_field():
+    answers = []
+    bodies = sent_bodies({"/generate": lambda c: answers.extend(c.generate([1, 2, 3], {"max_new_tokens": 2}))},
+                         adapters=True)  # fmt: skip
+    assert bodies["/generate"]["lora_path"] == "policy-v3"  # /model_info said version 3
+    assert "lora_path" in class_fields(request_classes()["/generate"])
+    assert answers[0]["meta_info"]["weight_version"] == "3"  # labelled with the adapter it ran on
+
+
+def test_lora_servers_launch_with_sglang_s_own_flags_and_module_names():
+    from areal_hpc.config import server_targets
+
+    cfg = load_config([REPO / "configs" / f for f in ("qwen3-1.7b-8gpu.yaml", "qwen2.5-7b-1gpu-lora.yaml")])
+    supported = next(
+        ast.literal_eval(node.value)
+        for node in tree("utils/common.py").body
+        if isinstance(node, ast.Assign)
+        and getattr(node.targets[0], "id", "") == "SUPPORTED_LORA_TARGET_MODULES"
+    )
+    assert server_targets(cfg) and set(server_targets(cfg)) <= set(supported)
+    assert {"--enable-lora", "--max-lora-rank", "--lora-target-modules"} <= cli_flags()
+    # SGLang asks for both when it starts with no adapter (server_args.py's check_lora_server_args)
+    assert "max_lora_rank and self.lora_target_modules" in (SRC / "server_args.py").read_text()
 
 
 def test_every_sampling_parameter_we_send_is_one_sglang_takes_and_no_seed_is_relied_on():

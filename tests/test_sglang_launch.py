@@ -24,6 +24,7 @@ CASES = {
     "qwen3-1.7b-32gpu": (["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-32gpu.yaml"], [], 8),
     "qwen2.5-32b-64gpu-megatron": (["qwen3-1.7b-8gpu.yaml", "qwen2.5-32b-64gpu-megatron.yaml"], [], 8),
     "qwen3-1.7b-1gpu-colocated": (["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"], [], 1),
+    "qwen2.5-7b-1gpu-lora": (["qwen3-1.7b-8gpu.yaml", "qwen2.5-7b-1gpu-lora.yaml"], [], 1),
     "qwen3-30b-a3b-16gpu-megatron": (["qwen3-1.7b-8gpu.yaml", "qwen3-30b-a3b-16gpu-megatron.yaml"], [], 8),
     "qwen3-235b-a22b-128gpu-megatron": (
         ["qwen3-1.7b-8gpu.yaml", "qwen3-235b-a22b-128gpu-megatron.yaml"],
@@ -60,7 +61,7 @@ def test_each_server_command_matches_the_golden_file(name):
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(text)
     assert text == golden.read_text(), f"{golden} differs; UPDATE_GOLDEN=1 rewrites it after review"
-    assert ("--enable-memory-saver" in text) == ("colocated" in name)  # else release frees nothing
+    assert ("--enable-memory-saver" in text) == allocation_of(cfg).colocated  # else release frees nothing
     first = text.splitlines()[0].split()
     assert first[first.index("--token-file") + 1] == f"/shared/runs/{cfg.experiment_name}/golden/secret"
     assert "--api-key" not in first  # the key is read from the secret file in the child, off the command line

@@ -114,7 +114,10 @@ class Master:
         components |= {"save_ctl": self.save_ctl, "eval_ctl": self.eval_ctl, "ckpt_ctl": self.ckpt_ctl}
         self.checkpointer = Checkpointer(cfg, run, trainers, components)
         self.publisher = make_publisher(cfg, run, trainers, clients)
-        self.turns = Turns(clients, allocation_of(cfg).colocated and self.rl, cfg.weight_update_timeout_secs)
+        self.turns = Turns(
+            clients, allocation_of(cfg).colocated and self.rl, cfg.weight_update_timeout_secs,
+            keep_weights=cfg.weight_update_mode == "adapter",
+        )  # fmt: skip
 
     def run(self, resume_from=None, attempt: int = 0) -> list[tuple[int, float]]:
         """Every step (from recover checkpoint `resume_from` if given), with held-out greedy accuracy before
