@@ -25,6 +25,7 @@ from areal_hpc.weights.adapter import is_adapter_dir
 from tests.helpers import REPO_ROOT
 from tests.test_checkpoint_evals import EVAL
 from tests.test_fsdp_engine import alone, nll, packed
+from tests.test_recover_local import straight_and_killed
 
 REWARD = "ppo_actor/task_reward/avg"
 TOY = REPO_ROOT / "configs" / "toy-cpu.yaml"
@@ -164,3 +165,27 @@ def test_colocated_lora_steps_are_the_decoupled_ones(toy):
     )
     assert [r[REWARD] for r in shared] == [r[REWARD] for r in apart]
     assert all(r["timeperf/release_memory"] > 0 for r in shared)
+
+
+@pytest.mark.slow
+def test_a_lora_run_killed_mid_run_resumes_with_its_adapters_and_ends_as_an_uninterrupted_run(toy, tmp_path):
+    # The setting of test_recover_local's bit-for-bit test: the controller killed (kill -9) at step 3, the
+    # recover checkpoint used step 2's, at an epoch boundary.
+    ten = tmp_path / "ten.jsonl"
+    ten.write_text("".join((toy.data / "train.jsonl").read_text().splitlines(keepends=True)[:10]))
+    common = [
+        "actor.lora.rank=8", "actor.lora.alpha=16", "ppo.adv_norm=false", "weight_update_mode=adapter",
+        f"dataset.path={ten}", "exp_ctrl.total_train_epochs=3", "exp_ctrl.benchmark_steps=null",
+        "exp_ctrl.ckpt_freq_steps=2", "recover_after=0", "dataset.valid_path=null",
+    ]  # fmt: skip
+    straight, run = straight_and_killed(toy, "lora-", *common)
+    assert "resumes from recover checkpoint" in (run.attempt_logs(1) / "controller.log").read_text()
+    # The resumed server got the restored adapters before the first new rollout, and every later version:
+    # the last adapters are the uninterrupted run's. Not bit for bit as full weights are: the two LoRA runs
+    # differ by ~1e-8 from step 2 on, before the kill (round-off whose source is not found yet), a lost or
+    # stale adapter by ~1e-2.
+    (a,), (b,) = (sorted((r.checkpoints / "actor").iterdir())[-1:] for r in (straight, run))
+    a, b = (load_file(p / "adapter_model.safetensors") for p in (a, b))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -3,9 +3,10 @@
 Each weight version v >= 1 of a LoRA actor reaches the servers as an adapter loaded under the name
 ``adapter_name(v)`` (``weights.publisher.AdapterPublisher``), after which the server reports v as its
 weight_version. A request must name the adapter it runs on (SGLang's ``lora_path``); version 0 is the base
-model itself (PEFT starts B at zero), so it names none. Each client learns its server's version from
-``/model_info``, again after ``REFRESH_SECS`` or after an answer came back interrupted (a weight update does
-that), and labels every answer with the version of the adapter it named: on SGLang that is exactly what ran
+model itself (PEFT starts B at zero), so it names none. Each client learns its server's version from its
+publisher (the controller's clients), from the run directory's published version (the rollout role's), and
+from ``/model_info`` after ``REFRESH_SECS`` or after an answer came back interrupted (a weight update does
+that); it labels every answer with the version of the adapter it named: on SGLang that is exactly what ran
 (a request keeps its adapter to its end, even across an update), on the built-in engine, which holds one
 adapter, an answer may have gone on under the next one, so the label is the older of the two, as a paused
 request's is across a full-weight update.
@@ -44,6 +45,12 @@ class ServedAdapter:
             if time.monotonic() - self._asked > REFRESH_SECS:
                 self._version, self._asked = self._ask(), time.monotonic()
             return self._version
+
+    def advance(self, version: int) -> None:
+        """The server holds ``version`` now (its publisher, or the run directory, says so)."""
+        with self._lock:
+            if version >= self._version:
+                self._version, self._asked = version, time.monotonic()
 
     def expire(self) -> None:
         """The next request asks first (an answer came back interrupted: a new version may be there)."""

@@ -79,6 +79,9 @@ def run(ctx: RunContext) -> None:
                 published = fsio.read_json(ctx.run.published_version)
                 if published:
                     manager.set_version(published["version"])
+                    for client in clients:  # a LoRA run's requests name the new adapter (gen/adapters.py)
+                        if client.served is not None:
+                            client.served.advance(published["version"])
                 if time.monotonic() - shown > COUNTERS_SECS:
                     fsio.write_json(ctx.run.generation, counters(manager, clients))
                     shown = time.monotonic()

@@ -303,6 +303,9 @@ class AdapterPublisher:
             for n, c in servers.items():
                 threading.Thread(target=_unload, args=(n, c, old, self.timeout), daemon=True).start()
         self.loaded = (version, name)
+        for c in self.clients:  # the controller's own requests name it from now on (synchronous RL)
+            if getattr(c, "served", None) is not None:
+                c.served.advance(version)
         return {"timeperf/weight_sync": time.monotonic() - start, "weight_sync/bytes": float(nbytes)}
 
 
