@@ -9,6 +9,7 @@
 #   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
+#   tools/gpu_issue46.sh lora7b      # issue 47: the 7B step with a rank-64 LoRA adapter published as a folder
 set -o pipefail
 source tools/gpu_env.sh
 export AREAL_HPC_TINY=$PWD/.cache/tiny
@@ -39,6 +40,11 @@ profile() {
 }
 3b() { check 3b . --shape 3b $MB; }
 7b() { check 7b . --shape 7b $MB --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true; }
+# Issue 47: the 7B step with a rank-64 adapter, published as a PEFT folder (weight_update_mode adapter).
+lora7b() {
+  check lora7b . --shape 7b $MB --set actor.lora.rank=64 --set actor.lora.alpha=128 \
+    --weight-update-mode adapter --set actor.gradient_checkpointing=true
+}
 nvidia-smi -L
 for part in "$@"; do
   echo "=== $part"

@@ -146,7 +146,11 @@ class ActorConfig(TrainedModelConfig):
     )
     lora: LoraConfig = opt(
         LoraConfig, "LoRA: train low-rank adapters (PEFT) instead of the weights (fsdp backend); the optimizer "
-        "holds the adapters' state alone. Publication and checkpoints carry the merged weights for now.",
+        "holds the adapters' state alone, and the KL reference is the base with the adapters off. Checkpoints "
+        "(save_freq) are the adapters as a PEFT folder (areal-hpc eval takes one; areal-hpc export --merge folds "
+        "it into its base). weight_update_mode adapter publishes the adapters alone, megabytes, and the servers "
+        "serve them (SGLang's --enable-lora, /load_lora_adapter, lora_path; the built-in engine alike); the other "
+        "modes publish the weights with the adapters merged in. Memory arithmetic: README's LoRA section.",
     )  # fmt: skip
 
 

@@ -7,10 +7,9 @@ base product: exactly W + scale B A, without touching W, so adapters come and go
 the base and no second copy of it. Loading an adapter copies into the buffers in place (captured CUDA
 graphs read them); none loaded, they are zero. A module outside ``targets`` has no buffers and costs nothing.
 
-Measured choice against merging into W (docs/benchmarks.md, "LoRA"): the side path costs two rank-R
-products per adapted linear per step, merging costs nothing per step but needs the base kept aside to
-take an adapter back out exactly (a second copy of the adapted weights) or accumulates bf16 rounding at
-every version.
+Why not merge into W: merging costs nothing per step, but taking an adapter back out exactly needs the base
+kept aside (a second copy of the adapted weights), or it accumulates bf16 rounding at every version. The side
+path costs two rank-R products per adapted linear per step; its cost on a GPU is still to be measured.
 """
 
 from __future__ import annotations
