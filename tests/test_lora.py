@@ -57,6 +57,18 @@ def test_only_the_adapters_train_and_the_base_weights_stay_bit_identical(tiny_mo
     assert {id(p) for p in engine.optimizer.state} == {id(after[n]) for n in trained}
 
 
+def test_a_bf16_actors_frozen_base_stays_bf16_and_its_adapters_train_in_float32(tiny_model_dir):
+    cfg = lora_actor(tiny_model_dir)
+    cfg.dtype = "bfloat16"
+    engine = FSDPEngine(cfg, total_train_steps=2)
+    dtypes = {n: p.dtype for n, p in engine.net.model.named_parameters()}
+    assert all(d == (torch.float32 if ".lora_" in n else torch.bfloat16) for n, d in dtypes.items())
+    step(engine, packed())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in engine.optimizer.state.values())
+    published = dict(engine.hf_weights())  # the merged weights, in the compute dtype
+    assert all(t.dtype == torch.bfloat16 for t in published.values())
+
+
 def test_a_fresh_adapter_publishes_the_base_weights_exactly(tiny_model_dir):
     engine = FSDPEngine(lora_actor(tiny_model_dir), total_train_steps=1)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()

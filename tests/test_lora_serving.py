@@ -4,6 +4,9 @@ PEFT loads them, the built-in engine runs them as a side path (SGLang's /load_lo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
 from areal_hpc.train.backends.fsdp.engine import FSDPEngine
 from areal_hpc.weights.adapter import AdapterError, merged, read_adapter
+from tests.helpers import REPO_ROOT
 from tests.test_fsdp_engine import packed
 from tests.test_lora import lora_actor, step
 
@@ -103,3 +107,14 @@ def test_the_builtin_engine_serves_the_adapter_with_the_trainers_logprobs(traine
         )
     finally:
         engine.stop()
+
+
+def test_the_gpu_check_of_lora_serving_runs_on_the_tiny_model(tiny_model_dir):
+    """tools/gpu_check_lora.py (issue 47's GPU targets) on the CPU: it runs, and its checks hold."""
+    args = ["--device", "cpu", "--shape", "tiny", "--rank", "8", "--rows", "4", "--tokens", "8"]
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_check_lora.py"), *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "AREAL_HPC_TINY": str(tiny_model_dir.parent)})  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["bytes_ratio"] > 5 and stats["mean_abs_logprob_diff"] < 0.01

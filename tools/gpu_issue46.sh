@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 46's runs on one lent GPU (device tool; carry .whl, .cache/tiny and .cache/baseline-46, the package before
+# Issues 46's and 47's runs on one lent GPU (device tool; carry .whl (peft and accelerate among them), .cache/tiny and .cache/baseline-46, the package before
 # issue 46 with today's tools:
 #   mkdir -p .cache/baseline-46 && git archive 9dd158c areal_hpc tools configs | tar -x -C .cache/baseline-46 \
 #     && cp tools/gpu_check_colocated.py .cache/baseline-46/tools/
@@ -9,7 +9,7 @@
 #   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
-#   tools/gpu_issue46.sh lora7b      # issue 47: the 7B step with a rank-64 LoRA adapter published as a folder
+#   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
 set -o pipefail
 source tools/gpu_env.sh
 export AREAL_HPC_TINY=$PWD/.cache/tiny
@@ -40,7 +40,9 @@ profile() {
 }
 3b() { check 3b . --shape 3b $MB; }
 7b() { check 7b . --shape 7b $MB --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true; }
-# Issue 47: the 7B step with a rank-64 adapter, published as a PEFT folder (weight_update_mode adapter).
+# Issue 47: the built-in engine's adapters (publication bytes and seconds, logprobs, side-path cost), and the
+# 7B step with a rank-64 adapter published as a PEFT folder (weight_update_mode adapter).
+lora() { PYTHONPATH=/tmp/site:$PWD python3 tools/gpu_check_lora.py --shape 7b --rank 64 --out $OUT/lora-check.json; }
 lora7b() {
   check lora7b . --shape 7b $MB --set actor.lora.rank=64 --set actor.lora.alpha=128 \
     --weight-update-mode adapter --set actor.gradient_checkpointing=true

@@ -78,10 +78,10 @@ def run(ctx: RunContext) -> None:
             while (why := why_stop(ctx.run, time.monotonic() - start)) is None and not stop.is_set():
                 published = fsio.read_json(ctx.run.published_version)
                 if published:
-                    manager.set_version(published["version"])
-                    for client in clients:  # a LoRA run's requests name the new adapter (gen/adapters.py)
-                        if client.served is not None:
+                    for client in clients:  # a LoRA run's requests name the new adapter (gen/adapters.py),
+                        if client.served is not None:  # before the version lets the next ones go
                             client.served.advance(published["version"])
+                    manager.set_version(published["version"])
                 if time.monotonic() - shown > COUNTERS_SECS:
                     fsio.write_json(ctx.run.generation, counters(manager, clients))
                     shown = time.monotonic()

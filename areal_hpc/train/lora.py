@@ -31,6 +31,8 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
     model = inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+        if is_adapter(name):  # float32 masters, whatever the base's dtype
+            param.data = param.data.float()
     if not any(is_adapter(name) for name, _ in model.named_parameters()):
         raise ValueError(f"actor.lora.target_modules {targets} names no module of the model")
     return model

@@ -110,13 +110,14 @@ class FSDPEngine(RecoverState):
         self.cfg, self.source_dir = model_cfg, Path(model_cfg.path)
         self.device, self.dtype = dist.default_device(), DTYPES[model_cfg.dtype]
         self.trainable, self.critic = total_train_steps is not None, critic
-        model = load_model(
-            self.source_dir, torch.float32 if self.trainable else self.dtype, critic, attention=ATTENTION
-        )
         a = getattr(
             model_cfg, "lora", None
         )  # the actor's adapters (actor.lora), trained instead of its weights
         self.lora_scale = a.alpha / a.rank if self.trainable and a is not None and a.rank else None
+        # Trained weights are float32 masters; a LoRA actor's frozen base stays in the compute dtype, the
+        # values its forward casts to anyway (half the memory of a float32 copy), and its adapters float32.
+        master = torch.float32 if self.trainable and self.lora_scale is None else self.dtype
+        model = load_model(self.source_dir, master, critic, attention=ATTENTION)
         if self.lora_scale is not None:
             model = lora.add_adapters(model, a.rank, a.alpha, a.dropout, list(a.target_modules))
             self.recover_only = lora.is_adapter  # the base is the model's path, never changed
