@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from transformers import AutoModelForCausalLM
 from areal_hpc.config.schema import MicroBatchSpec
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
+from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
+from areal_hpc.gen.client import GenClient, GenServerError
 from areal_hpc.train.backends.fsdp.engine import FSDPEngine
 from areal_hpc.weights.adapter import AdapterError, merged, read_adapter
 from tests.helpers import REPO_ROOT
@@ -100,7 +103,12 @@ def test_the_builtin_engine_serves_the_adapter_with_the_trainers_logprobs(traine
         }
         expected = trainer.logprobs(seq, 1.0, MicroBatchSpec())[len(prompt) :]
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, rtol=1e-4, atol=1e-4)
-        engine.adapters.unload("policy-v2")
+        engine.adapters.load("policy-v3", str(folder), engine.device)  # the next version (the same tensors)
+        assert engine.submit([prompt], greedy, adapter="policy-v2").wait()[0].output_ids == out.output_ids
+        assert engine.adapters.unload("policy-v2") == {"policy-v3": str(folder)}  # the old one goes
+        with pytest.raises(RequestError, match="never been loaded: policy-v2"):
+            engine.submit([prompt], greedy, adapter="policy-v2")
+        assert engine.adapters.unload("policy-v3") == {}
         again = engine.submit([prompt], greedy).wait()[0]
         assert again.output_ids == base.output_ids and again.logprobs == pytest.approx(
             base.logprobs, abs=1e-5
@@ -118,3 +126,32 @@ def test_the_gpu_check_of_lora_serving_runs_on_the_tiny_model(tiny_model_dir):
     assert done.returncode == 0, done.stdout + done.stderr
     stats = json.loads(done.stdout.strip().splitlines()[-1])
     assert stats["bytes_ratio"] > 5 and stats["mean_abs_logprob_diff"] < 0.01
+
+
+def test_the_builtin_servers_lora_routes_answer_as_sglangs(trained, tiny_model_dir, tmp_path):
+    _, batch, folder = trained
+    engine = Engine(tiny_model_dir, max_batch_size=4, max_lora_rank=8, lora_targets=TARGETS).start()
+    httpd = GenHTTPServer(("127.0.0.1", 0), App(engine, {}), "key")
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", "key", adapters=True)
+    try:
+        prompt = [int(t) for t in batch["packed_input_ids"][:5]]
+        with pytest.raises(GenServerError, match=r"HTTP 400.*no adapter_config.json"):
+            client.load_lora_adapter("policy-v1", str(tmp_path))  # a folder that holds no adapter
+        with pytest.raises(GenServerError, match="HTTP 400.*does not exist"):
+            client.unload_lora_adapter("policy-v1")
+        assert client.load_lora_adapter("policy-v1", str(folder))["loaded_adapters"] == {
+            "policy-v1": str(folder)
+        }
+        client.update_weight_version(1, abort_all_requests=True)
+        (answer,) = client.generate(prompt, {"max_new_tokens": 3, "temperature": 0.0})
+        assert answer["meta_info"]["weight_version"] == "1"  # it named policy-v1, as /model_info said
+        # Its server moved on (policy-v2 in, policy-v1 out) since the client asked: refused, sent again.
+        client.load_lora_adapter("policy-v2", str(folder))
+        client.update_weight_version(2, abort_all_requests=True)
+        client.unload_lora_adapter("policy-v1")
+        (answer,) = client.generate(prompt, {"max_new_tokens": 3, "temperature": 0.0})
+        assert answer["meta_info"]["weight_version"] == "2"
+    finally:
+        httpd.shutdown()
+        engine.stop()

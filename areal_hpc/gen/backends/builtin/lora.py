@@ -14,6 +14,7 @@ path costs two rank-R products per adapted linear per step; its cost on a GPU is
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -118,46 +119,49 @@ class SidePath:
 
 class Adapters:
     """The adapters a server knows by name (SGLang's /load_lora_adapter, /unload_lora_adapter) and the one in
-    its side path. This engine holds one at a time: the last loaded; a request may name any name still
-    loaded, and runs on that one (as a request paused across a full-weight update goes on under the new
-    weights). ``at_step(fn)`` runs ``fn`` on the engine thread between two steps, with the cache flushed."""
+    its side path. This engine holds one at a time: the last loaded. A request may name any name still
+    loaded and runs on that one (as a request paused across a full-weight update goes on under the new
+    weights); unloading it unloads the names that ran on it too. ``at_step(fn)`` runs ``fn`` on the engine
+    thread between two steps, with the cache flushed."""
 
     def __init__(self, side: SidePath | None, at_step: Callable[[Callable[[], None]], None]):
         self.side, self.at_step = side, at_step
-        self.names: list[str] = []  # loaded and not unloaded, oldest first; the last one is in the side path
+        self.loaded: dict[str, str] = {}  # name -> folder, oldest first; the last one is in the side path
+        self._lock = threading.Lock()  # one change at a time (HTTP threads); requests read a snapshot
 
     def load(self, name: str, path: str, device: torch.device) -> dict[str, str]:
         side = self._enabled()
-        if name in self.names:
-            raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
-        adapter = read_adapter(path, device)  # off the engine thread: generation goes on meanwhile
-        placed = side.check(adapter, path)
-        self.at_step(lambda: side.load(adapter, placed))
-        self.names.append(name)
-        return self.loaded
+        with self._lock:
+            if name in self.loaded:
+                raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
+            adapter = read_adapter(path, device)  # off the engine thread: generation goes on meanwhile
+            placed = side.check(adapter, path)
+            self.at_step(lambda: side.load(adapter, placed))
+            self.loaded = {**self.loaded, name: path}
+            return dict(self.loaded)
 
     def unload(self, name: str) -> dict[str, str]:
         side = self._enabled()
-        if name not in self.names:
-            raise AdapterError(f"LoRA with name {name} does not exist. Loaded LoRAs: {self.names}")
-        if name == self.names[-1]:
-            self.at_step(side.clear)
-        self.names.remove(name)
-        return self.loaded
+        with self._lock:
+            if name not in self.loaded:
+                raise AdapterError(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.loaded)}")
+            if name == list(self.loaded)[-1]:
+                self.at_step(side.clear)
+                self.loaded = {}
+            else:
+                self.loaded = {n: p for n, p in self.loaded.items() if n != name}
+            return dict(self.loaded)
 
     def check_request(self, name: str | None) -> None:
         """A request may name a loaded adapter, or none while none is loaded (the base model)."""
-        if name is None and self.names:
+        loaded = self.loaded
+        if name is None and loaded:
             raise AdapterError(
-                f"this server serves LoRA adapter {self.names[-1]}: a request names it (lora_path)"
+                f"this server serves LoRA adapter {list(loaded)[-1]}: a request names it (lora_path)"
             )
-        if name is not None and name not in self.names:
-            why = "LoRA is not enabled (--enable-lora)" if self.side is None else f"loaded: {self.names}"
+        if name is not None and name not in loaded:
+            why = "LoRA is not enabled (--enable-lora)" if self.side is None else f"loaded: {list(loaded)}"
             raise AdapterError(f"Got LoRA adapter that has never been loaded: {name} ({why})")
-
-    @property
-    def loaded(self) -> dict[str, str]:
-        return {n: n for n in self.names}
 
     def _enabled(self) -> SidePath:
         if self.side is None:

@@ -284,7 +284,7 @@ class App:
         try:
             return 200, {"success": True, "error_message": "", "loaded_adapters": change()}
         except (AdapterError, OSError) as exc:
-            loaded = self.engine.adapters.loaded
+            loaded = dict(self.engine.adapters.loaded)
             return 400, {"success": False, "error_message": str(exc), "loaded_adapters": loaded}
 
     def update_weight_version(self, body: dict) -> tuple[int, Any]:
