@@ -39,6 +39,8 @@ def rewind(run: RunDir, step: int, version: int, saved: Path | None = None) -> N
     for snapshot in run.weights.glob("v*"):
         if (m := _VERSION.match(snapshot.name)) and int(m.group(1)) > version:
             shutil.rmtree(snapshot)
+    for adapter in run.weights.glob("adapter-v*"):  # a LoRA run's: the resume publishes its version anew
+        shutil.rmtree(adapter)
     Checkpoints(run.recover).remove_after(step)
     shutil.rmtree(store, ignore_errors=True)
     if saved is not None and (saved / store.name).is_dir():
