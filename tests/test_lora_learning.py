@@ -16,11 +16,12 @@ from tests.helpers import REPO_ROOT
 
 LORA = ("actor.lora.rank=16", "actor.lora.alpha=32", "weight_update_mode=adapter", "actor.optimizer.lr=4e-3",
         "exp_ctrl.total_train_epochs=20")  # fmt: skip
-# 60 GRPO steps from the demo's warm-up (2026-12-05): held-out greedy accuracy 0.10 -> 0.34 in each of three
-# runs (lr 4e-3 seeds 1 and 2, lr 1e-2), sampled task reward of the last 5 steps over the first 5 +0.154,
-# +SEED2 and +0.098; a policy that does not learn (lr 1e-9): greedy CTL, reward CTLR.
+# 60 GRPO steps from the demo's warm-up (2026-12-05): held-out greedy accuracy 0.10 -> 0.34, 0.32 and 0.34 (lr
+# 4e-3 seeds 1 and 2, lr 1e-2), sampled task reward of the last 5 steps over the first 5 +0.154, +0.161 and
+# +0.098; a policy that does not learn (lr 1e-9): greedy 0.10 -> 0.10, reward +0.002. Each bar sits about
+# halfway. (Full weights, make demo: +0.27 to +0.33 in 168 steps.)
 MIN_GREEDY_GAIN = 0.12
-MIN_REWARD_GAIN = 0.05
+MIN_REWARD_GAIN = 0.08
 
 
 @pytest.mark.slow
