@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_grpo_through_a_lora_adapter_raises_the_held_out_accuracy(tmp_path):
     )  # fmt: skip
     runs = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith("GRPO run")]
     assert runs, done.stdout[-3000:] + done.stderr[-3000:]  # the demo failed before its summary
-    run = RunDir(runs[0])
+    run = RunDir(Path(runs[0]))
     s = learning_summary(read_stats(run.stats))
     assert s["greedy_after"] - s["greedy_before"] >= MIN_GREEDY_GAIN, s
     assert s["reward_last"] - s["reward_first"] >= MIN_REWARD_GAIN, s
