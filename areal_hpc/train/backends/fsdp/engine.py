@@ -110,9 +110,8 @@ class FSDPEngine(RecoverState):
         self.cfg, self.source_dir = model_cfg, Path(model_cfg.path)
         self.device, self.dtype = dist.default_device(), DTYPES[model_cfg.dtype]
         self.trainable, self.critic = total_train_steps is not None, critic
-        a = getattr(
-            model_cfg, "lora", None
-        )  # the actor's adapters (actor.lora), trained instead of its weights
+        # The actor's adapters (actor.lora), trained instead of its weights.
+        a = getattr(model_cfg, "lora", None)
         self.lora_scale = a.alpha / a.rank if self.trainable and a is not None and a.rank else None
         # Trained weights are float32 masters; a LoRA actor's frozen base stays in the compute dtype, the
         # values its forward casts to anyway (half the memory of a float32 copy), and its adapters float32.
