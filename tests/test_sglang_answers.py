@@ -48,7 +48,9 @@ BUILTIN_OWN = {
 # The files of SGLang's source the checks below read.
 ANSWER_SOURCES = [
     "managers/tokenizer_manager.py",
+    "managers/tokenizer_communicator_mixin.py",
     "managers/schedule_batch.py",
+    "managers/io_struct.py",
     "entrypoints/http_server.py",
     "server_args.py",
 ]
@@ -275,9 +277,51 @@ def route_answers(root: Path = SRC) -> dict[str, set[tuple]]:
     return answers
 
 
+def output_answers(root: Path = SRC) -> dict[str, set[tuple]]:
+    """Route -> the fields of the io_struct output its handler answers with: `result = await
+    _global_state.tokenizer_manager.<method>(...)` answered as `ORJSONResponse(result, ...)` (the LoRA
+    routes), <method>'s return annotation resolved through io_struct's aliases to a class."""
+    methods = {
+        n.name: ast.unparse(n.returns)
+        for module in ("managers/tokenizer_manager.py", "managers/tokenizer_communicator_mixin.py")
+        for n in ast.walk(tree(module, root))
+        if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef) and n.returns is not None
+    }
+    io = tree("managers/io_struct.py", root)
+    aliases = {t.id: ast.unparse(n.value) for n in io.body if isinstance(n, ast.Assign) for t in n.targets
+               if isinstance(t, ast.Name) and isinstance(n.value, ast.Name)}  # fmt: skip
+    classes = {n.name: n for n in io.body if isinstance(n, ast.ClassDef)}
+    answers = {}
+    for node in tree("entrypoints/http_server.py", root).body:
+        if not isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            continue
+        calls = [
+            n.value.value.func.attr for n in ast.walk(node) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Await)
+            and isinstance(n.value.value, ast.Call) and isinstance(n.value.value.func, ast.Attribute)
+            and ast.unparse(n.value.value.func.value) == "_global_state.tokenizer_manager"
+        ]  # fmt: skip
+        answered = any(
+            isinstance(n, ast.Call) and ast.unparse(n.func) == "ORJSONResponse" and n.args
+            and ast.unparse(n.args[0]) == "result" for n in ast.walk(node)
+        )  # fmt: skip
+        kind = (
+            aliases.get(methods.get(calls[0], ""), methods.get(calls[0], "")) if calls and answered else None
+        )
+        if kind in classes:
+            fields, stack = set(), [classes[kind]]
+            while stack:
+                cls = stack.pop()
+                stack += [classes[b.id] for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
+                fields |= {(st.target.id,) for st in cls.body if isinstance(st, ast.AnnAssign)}
+            for route in served_routes(node):
+                answers[route] = fields
+    return answers
+
+
 def sglang_answers(root: Path = SRC) -> dict[str, set[tuple]]:
-    """Route -> the paths of its answer (/generate's handler passes on what TokenizerManager builds)."""
-    return {**route_answers(root), "/generate": generate_answer(root)}
+    """Route -> the paths of its answer (/generate's handler passes on what TokenizerManager builds; the
+    LoRA routes answer with an io_struct output)."""
+    return {**route_answers(root), **output_answers(root), "/generate": generate_answer(root)}
 
 
 def weight_version_types(root: Path = SRC) -> set[str]:
@@ -435,6 +479,10 @@ TM, HTTP = "managers/tokenizer_manager.py", "entrypoints/http_server.py"
                      {"/init_weights_update_group success", "/update_weights_from_distributed success",
                       "/update_weights_from_tensor success", "/destroy_weights_update_group success"},
                      id="success renamed in the group routes"),
+        pytest.param("managers/io_struct.py", "    error_message: Optional[str] = None\n    loaded_adapters",
+                     "    error: Optional[str] = None\n    loaded_adapters",
+                     {"/load_lora_adapter error_message", "/unload_lora_adapter error_message"},
+                     id="error_message renamed in the LoRA routes"),
     ],
 )  # fmt: skip
 def test_sglang_altered_where_it_builds_an_answer_fails_the_check(tmp_path, relative, old, new, broken):

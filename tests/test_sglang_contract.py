@@ -129,7 +129,7 @@ REPLIES = {  # a route not here answers 200 with an empty body, as SGLang's /abo
     "/destroy_weights_update_group": DONE,
     "/pause_generation": PAUSED,
     "/continue_generation": PAUSED,
-    "/load_lora_adapter": {"success": True, "error_message": "", "loaded_adapters": {"policy-v3": "/a"}},
+    "/load_lora_adapter": {"success": True, "error_message": "", "loaded_adapters": {}},  # names: any keys
     "/unload_lora_adapter": {"success": True, "error_message": "", "loaded_adapters": {}},
     "/update_weight_version": {"success": True, "message": "", "new_version": "3"},
     "/model_info": {"model_path": "/m", "is_generation": True, "weight_version": "3"},

@@ -332,13 +332,12 @@ class GenClient:
     def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = None) -> dict:
         """Make the server load the PEFT adapter in folder ``lora_path`` under ``lora_name`` (SGLang's route;
         running requests go on meanwhile)."""
-        return self._succeed(
-            "/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)}, timeout
-        )
+        body = {"lora_name": lora_name, "lora_path": str(lora_path)}
+        return self._succeed("/load_lora_adapter", body, timeout, why="error_message")
 
     def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> dict:
         """Make the server forget adapter ``lora_name`` (SGLang waits for the requests that run on it)."""
-        return self._succeed("/unload_lora_adapter", {"lora_name": lora_name}, timeout)
+        return self._succeed("/unload_lora_adapter", {"lora_name": lora_name}, timeout, why="error_message")
 
     def update_weight_version(
         self, version: int, abort_all_requests: bool, timeout: float | None = None
@@ -361,13 +360,12 @@ class GenClient:
         """Make the server take back the memory of ``tags`` (None: all); resumed weights need an update."""
         self._call("POST", "/resume_memory_occupation", {"tags": tags}, timeout)
 
-    def _succeed(self, route: str, body: dict, timeout: float | None = None) -> dict:
-        """POST ``body``; raises GenServerError unless the answer says ``success``."""
+    def _succeed(self, route: str, body: dict, timeout: float | None = None, why: str = "message") -> dict:
+        """POST ``body``; raises GenServerError unless the answer says ``success`` (and with the answer's
+        ``why``: SGLang's LoRA routes say it in error_message, the others in message)."""
         result = self._call("POST", route, body, timeout)
         if not isinstance(result, dict) or not result.get("success", False):
-            message = str(result)
-            if isinstance(result, dict):  # SGLang's LoRA routes say why in error_message
-                message = result.get("message") or result.get("error_message") or message
+            message = result.get(why, str(result)) if isinstance(result, dict) else str(result)
             raise GenServerError(self.where, route, 200, message)
         return result
 
