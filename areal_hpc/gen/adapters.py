@@ -4,9 +4,9 @@ Each weight version v >= 1 of a LoRA actor reaches the servers as an adapter loa
 ``adapter_name(v)`` (``weights.publisher.AdapterPublisher``), after which the server reports v as its
 weight_version. A request must name the adapter it runs on (SGLang's ``lora_path``); version 0 is the base
 model itself (PEFT starts B at zero), so it names none. Each client learns its server's version from its
-publisher (the controller's clients), from the run directory's published version (the rollout role's), and
-from ``/model_info`` after ``REFRESH_SECS`` or after an answer came back interrupted (a weight update does
-that); it labels every answer with the version of the adapter it named: on SGLang that is exactly what ran
+publisher (the controller's clients) or from the run directory's published version (the rollout role's), and
+asks ``/model_info`` at its first request, after an answer came back interrupted (a weight update does that)
+and after the server refused the adapter it named (gone since); it labels every answer with the version of the adapter it named: on SGLang that is exactly what ran
 (a request keeps its adapter to its end, even across an update), on the built-in engine, which holds one
 adapter, an answer may have gone on under the next one, so the label is the older of the two, as a paused
 request's is across a full-weight update.
@@ -15,10 +15,7 @@ request's is across a full-weight update.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
-
-REFRESH_SECS = 1.0
 
 
 def version_of(label) -> int:
@@ -37,22 +34,23 @@ class ServedAdapter:
 
     def __init__(self, ask: Callable[[], int]):
         self._ask, self._lock = ask, threading.Lock()
-        self._version, self._asked = 0, float("-inf")
+        self._version: int | None = None  # None: ask the server
 
     def version(self) -> int:
-        """The server's version, asked again when the last answer is older than REFRESH_SECS."""
+        """The server's version as last learned; asked of the server when unknown."""
         with self._lock:
-            if time.monotonic() - self._asked > REFRESH_SECS:
-                self._version, self._asked = self._ask(), time.monotonic()
+            if self._version is None:
+                self._version = self._ask()
             return self._version
 
     def advance(self, version: int) -> None:
         """The server holds ``version`` now (its publisher, or the run directory, says so)."""
         with self._lock:
-            if version >= self._version:
-                self._version, self._asked = version, time.monotonic()
+            if self._version is None or version >= self._version:
+                self._version = version
 
     def expire(self) -> None:
-        """The next request asks first (an answer came back interrupted: a new version may be there)."""
+        """The next request asks first (an answer came back interrupted, or a name was refused: a new version
+        may be there)."""
         with self._lock:
-            self._asked = float("-inf")
+            self._version = None
