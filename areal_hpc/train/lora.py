@@ -2,9 +2,10 @@
 its HF structure (``model.layers.N...``) and only the adapters train.
 
 PEFT renames what it wraps: a target module's weight becomes ``<module>.base_layer.weight`` beside
-``<module>.lora_A.default.weight`` and ``<module>.lora_B.default.weight``. Everything that leaves the trainer
-as HF weights (publication, HF checkpoints) goes through ``merged``: the base names, each target weight with
-its adapter added, W + (alpha / r) B A, which is the policy the trainer computes.
+``<module>.lora_A.default.weight`` and ``<module>.lora_B.default.weight``. ``adapter_of`` takes the adapters out
+under their HF module names (``weights/adapter.py``'s ``Adapter``); what leaves the trainer as HF weights goes
+through ``weights.merged``: the base names (``hf_name``), each target weight with its adapter added,
+W + (alpha / r) B A, which is the policy the trainer computes.
 """
 
 from __future__ import annotations
@@ -70,27 +71,3 @@ def is_adapter(name: str) -> bool:
 def hf_name(name: str) -> str:
     """The HF name of a base parameter (PEFT's ``base_layer`` removed)."""
     return name.replace(BASE, ".")
-
-
-def merged(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF weights of the named parameters of an adapted model, in their order (full tensors, one at a time):
-    a target's base weight is held until its A and B have come, then yielded as W + scale B A in W's dtype."""
-    pending: dict[str, torch.Tensor] = {}  # module -> its base weight
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in named:
-        module = name.split(BASE)[0].split(LORA_A)[0].split(LORA_B)[0]
-        if name.endswith(f"{BASE}weight"):
-            pending[module] = tensor
-        elif is_adapter(name):
-            parts.setdefault(module, {})["A" if LORA_A in name else "B"] = tensor
-        else:
-            yield hf_name(name), tensor
-            continue
-        if module in pending and len(parts.get(module, {})) == 2:
-            w, ab = pending.pop(module), parts.pop(module)
-            delta = (ab["B"].float() @ ab["A"].float()) * scale
-            yield f"{module}.weight", (w.float() + delta).to(w.dtype)
-    if pending or parts:
-        raise RuntimeError(
-            f"adapted modules without their base weight or A and B: {sorted({*pending, *parts})}"
-        )

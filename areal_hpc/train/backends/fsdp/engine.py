@@ -41,7 +41,7 @@ from areal_hpc.train.microbatch import EMPTY_MB, in_packed_order, micro_batch_gr
 from areal_hpc.train.models import DTYPES, ValueModel, compile_pointwise, enable_checkpointing, load_model
 from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
-from areal_hpc.weights import write_adapter
+from areal_hpc.weights import Adapter, merged, write_adapter
 
 
 class PackedModel(nn.Module):
@@ -225,13 +225,14 @@ class FSDPEngine(RecoverState):
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``hf_params`` as full tensors in the compute dtype, gathered one at a time: a collective (every rank
         drains it), and no rank ever holds a second full copy of the model. With adapters, each merged into
-        its weight in float32 first."""
-        full = (
-            (name, p.full_tensor() if isinstance(p, DTensor) else p)
-            for name, p in self.net.model.named_parameters()
-        )
+        its weight in float32 first (``weights.merged``)."""
+        named = self.net.model.named_parameters()
         if self.lora_scale is not None:
-            full = lora.merged(full, self.lora_scale)
+            adapter = self._adapter()  # small: gathered whole before the weights
+            named = ((lora.hf_name(name), p) for name, p in named if not lora.is_adapter(name))
+        full = ((name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in named)
+        if self.lora_scale is not None:
+            full = merged(full, adapter)
         for name, tensor in full:
             yield name, tensor.detach().to(self.dtype)
 
@@ -240,19 +241,21 @@ class FSDPEngine(RecoverState):
         return write_hf_dir(path, self.net.model, self.hf_weights(), self.source_dir, self.dtype)
 
     def save_adapter(self, path: str | Path) -> Path | None:
-        """The adapters alone as a PEFT folder (a collective; rank 0 writes it and returns its path)."""
+        """The adapters alone as a PEFT folder in the compute dtype (a collective; rank 0 writes it and
+        returns its path)."""
+        adapter = self._adapter(self.dtype)
+        return write_adapter(path, adapter) if dist.get_rank() == 0 else None
+
+    def _adapter(self, dtype: torch.dtype | None = None) -> Adapter:
+        """The adapters as full tensors (float32 masters, or ``dtype``); a collective: every rank gathers."""
         a = self.cfg.lora
-        full = [
-            (name, p.full_tensor() if isinstance(p, DTensor) else p)
+        full = (
+            (name, (p.full_tensor() if isinstance(p, DTensor) else p).detach())
             for name, p in self.net.model.named_parameters()
             if lora.is_adapter(name)
-        ]
-        if dist.get_rank() != 0:
-            return None
-        adapter = lora.adapter_of(
-            ((n, t.detach().to(self.dtype)) for n, t in full), a.rank, a.alpha, str(self.source_dir)
         )
-        return write_adapter(path, adapter)
+        named = ((name, t if dtype is None else t.to(dtype)) for name, t in full)
+        return lora.adapter_of(named, a.rank, a.alpha, str(self.source_dir))
 
     # --- recover state ----------------------------------------------------------------------------------
 
