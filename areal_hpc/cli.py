@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -212,7 +211,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from areal_hpc.weights import is_adapter_dir, write_merged
 
     run = one_run(ns)
-    saved = {int(m[1]): p for p in sorted((run.checkpoints / "actor").glob("*globalstep*")) if (m := re.search(r"globalstep(\d+)$", p.name))}  # fmt: skip
+    saved = run.saved_checkpoints("actor")
     step = max(saved, default=None) if ns.step is None else ns.step
     if step not in saved:
         steps = ", ".join(map(str, sorted(saved))) or "none"

@@ -19,6 +19,7 @@ from areal_hpc.config import ConfigError, load_config
 from areal_hpc.config.schema import ActorConfig, LoraConfig, MicroBatchSpec, OptimizerConfig
 from areal_hpc.control.rundir import run_dir_of
 from areal_hpc.launch.local import run_local
+from areal_hpc.launch.run_status import saved_line
 from areal_hpc.monitor.stats import read_stats
 from areal_hpc.train.backends.fsdp.engine import FSDPEngine
 from areal_hpc.train.microbatch import micro_batches
@@ -159,6 +160,7 @@ def test_a_grpo_run_publishes_its_adapters_and_its_servers_run_them(toy):
         routes.count("load_lora_adapter") == 3 and routes.count("unload_lora_adapter") >= 1
     )  # in the background
     assert main(["export", str(run.root), "--merge"]) == 0
+    assert saved_line(run).startswith(f"{ckpt},")  # the checkpoint, not the export beside it
     merged = load_file(ckpt.with_name(ckpt.name + "-merged") / "model.safetensors")
     base = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).state_dict()
     assert merged.keys() <= base.keys()

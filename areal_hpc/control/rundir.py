@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc.config import ExperimentConfig, dump_yaml, load_config
+
+_GLOBAL_STEP = re.compile(r"^epoch\d+epochstep\d+globalstep(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,12 @@ class RunDir:
     def checkpoint(self, role: str, epoch: int, epoch_step: int, global_step: int) -> Path:
         """A persistent HF checkpoint, named as the original names them."""
         return self.checkpoints / role / f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+    def saved_checkpoints(self, role: str) -> dict[int, Path]:
+        """The persistent checkpoints of `role` by global step, oldest first (only names `checkpoint` gives:
+        not a merged export beside them, `<name>-merged`)."""
+        found = ((_GLOBAL_STEP.search(p.name), p) for p in (self.checkpoints / role).glob("*globalstep*"))
+        return dict(sorted((int(m[1]), p) for m, p in found if m))
 
     @property
     def recover(self) -> Path:

@@ -107,9 +107,7 @@ def recover_line(run: RunDir) -> str:
 
 def saved_line(run: RunDir) -> str:
     """The newest persistent (HF) checkpoint of the actor."""
-    saved = sorted(
-        run.checkpoints.glob("actor/*globalstep*"), key=lambda p: int(p.name.split("globalstep")[1])
-    )
+    saved = list(run.saved_checkpoints("actor").values())
     return f"{saved[-1]}, written {_age(saved[-1])} ago" if saved else "none yet"
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from areal_hpc.control import RunDir, fsio
 from areal_hpc.recover.checkpoint import Checkpoints
 
-_GLOBAL_STEP = re.compile(r"globalstep(\d+)$")
 _VERSION = re.compile(r"^v(\d+)$")
 
 
@@ -33,9 +32,10 @@ def rewind(run: RunDir, step: int, version: int, saved: Path | None = None) -> N
         _keep_lines(ledger, lambda rec: rec["step"] <= step)
     _keep_lines(run.stats, lambda row: row["step"] <= step)
     shutil.rmtree(run.data, ignore_errors=True)
-    for ckpt in run.checkpoints.glob("*/*"):
-        if (m := _GLOBAL_STEP.search(ckpt.name)) and int(m.group(1)) > step:
-            shutil.rmtree(ckpt)
+    for role in run.checkpoints.glob("*"):
+        for saved_at, ckpt in run.saved_checkpoints(role.name).items():
+            if saved_at > step:
+                shutil.rmtree(ckpt)
     for snapshot in run.weights.glob("v*"):
         if (m := _VERSION.match(snapshot.name)) and int(m.group(1)) > version:
             shutil.rmtree(snapshot)
