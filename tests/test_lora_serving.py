@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_hpc.config.schema import MicroBatchSpec
 from areal_hpc.gen.backends.builtin.engine import Engine
-from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
+from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams, parse_generate
 from areal_hpc.gen.backends.builtin.server import App, GenHTTPServer
 from areal_hpc.gen.client import GenClient, GenServerError
 from areal_hpc.train.backends.fsdp.engine import FSDPEngine
@@ -155,3 +155,13 @@ def test_the_builtin_servers_lora_routes_answer_as_sglangs(trained, tiny_model_d
     finally:
         httpd.shutdown()
         engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("lora_path", "why"),
+    [(5, "must be an adapter's name"), (["", ""], "must be an adapter's name"), (["a", "a", "a"], "one adapter per prompt"),
+     (["a", "b"], "names several adapters"), ({"$ne": 1}, "must be an adapter's name")],
+)  # fmt: skip
+def test_a_malformed_lora_path_is_refused_by_name(lora_path, why):
+    with pytest.raises(RequestError, match=f"lora_path: .*{why}"):
+        parse_generate({"input_ids": [[1, 2], [3, 4]], "lora_path": lora_path}, None)

@@ -35,10 +35,10 @@ from tools.gpu_check_engine import MEAN_ABS_TOLERANCE  # noqa: E402
 
 bare_packages()  # the engine alone: the GPU image lacks what the rollout stack imports
 from areal_hpc.gen.backends.builtin.engine import Engine  # noqa: E402
+from areal_hpc.gen.backends.builtin.lora import ALL as LINEAR  # noqa: E402 (every linear layer)
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams  # noqa: E402
 from areal_hpc.weights import Adapter, merged, write_adapter  # noqa: E402
 
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TINY = Path(os.environ.get("AREAL_HPC_TINY", REPO / ".cache" / "tiny")) / "model"  # --shape tiny
 
 
