@@ -5,14 +5,18 @@ Forms (REFERENCE.md section 2):
   decoupled  `sglang.d4p1m1+d2p2m1` (either side of `+`): generation servers first, training the rest
   manual     `manual`: each MFC names its own device mesh in the config (parsed; not implemented yet)
 
-A 3D spec may add `e`, the expert-parallel size of a mixture-of-experts model (`d2p2t4e4`; default 1). It
+A 3D spec may add `c`, the context-parallel size (`d2c4`; default 1): the c GPUs of a context group hold the
+same sequences and each runs a slice of every micro-batch's tokens (sequence parallelism), so the world is
+d*t*p*c. Training backends that lack it and generation servers refuse it (config.checks names which).
+It may also add `e`, the expert-parallel size of a mixture-of-experts model (`d2p2t4e4`; default 1). It
 takes no GPUs of its own: as in AReaL, with expert-tensor size 1, a pipeline stage's d*t GPUs hold its experts
 in groups of e, so e must divide d*t. Generation servers take theirs from `sglang.ep_size` instead.
 
 `parse_allocation_mode` checks the syntax only; `resolve_allocation` places a mode on a cluster of
 n_nodes x n_gpus_per_node GPUs and checks the sizes. GPUs are numbered node-major:
-global gpu = node * n_gpus_per_node + local gpu. Inside a mesh the axes are [pipe, data, tensor] with
-tensor fastest, so consecutive GPUs are tensor-parallel peers.
+global gpu = node * n_gpus_per_node + local gpu. Inside a mesh the axes are [pipe, data, context, tensor] with
+tensor fastest, so consecutive GPUs are tensor-parallel peers, and a context group's GPUs are next to each other
+(its all-to-alls stay inside a node).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ DEFAULT_KEY = "*"  # the per-MFC layout of every MFC not listed
 Kind = Literal["colocated", "decoupled", "manual"]
 KINDS = get_args(Kind)
 
-_AXIS_OF_LETTER = {"d": "data", "m": "tensor", "t": "tensor", "p": "pipeline", "e": "expert"}
+_AXIS_OF_LETTER = {"d": "data", "m": "tensor", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 _LETTER_OF_AXIS = {"data": "d", "tensor": "m (or t)", "pipeline": "p"}  # the letters a 3D spec must give
 
 
@@ -57,16 +61,17 @@ def _is_uint(text: str) -> bool:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """Data, tensor and pipeline parallel sizes of one mesh, and the expert-parallel size of its MoE layers
-    (folded into the data x tensor GPUs of each pipeline stage: it adds none)."""
+    """Data, tensor, pipeline and context parallel sizes of one mesh, and the expert-parallel size of its MoE
+    layers (folded into the data x tensor GPUs of each pipeline stage: it adds none)."""
 
     data: int
     tensor: int
     pipeline: int
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("data", "tensor", "pipeline", "expert"):
+        for axis in ("data", "tensor", "pipeline", "expert", "context"):
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AllocationError(f"ParallelSpec {axis} size must be a positive integer, got {value!r}")
@@ -81,22 +86,26 @@ class ParallelSpec:
 
     @property
     def world_size(self) -> int:
-        return self.data * self.tensor * self.pipeline
+        return self.data * self.tensor * self.pipeline * self.context
 
     def format(self) -> str:
-        """Canonical text, letters in d, p, m order, then e when above 1: `d4p1m2`, `d4p1m2e8`."""
+        """Canonical text, letters in d, p, m order, then c and e when above 1: `d4p1m2`, `d2p1m1c4`,
+        `d4p1m2e8`."""
+        context = f"c{self.context}" if self.context > 1 else ""
         expert = f"e{self.expert}" if self.expert > 1 else ""
-        return f"d{self.data}p{self.pipeline}m{self.tensor}{expert}"
+        return f"d{self.data}p{self.pipeline}m{self.tensor}{context}{expert}"
 
-    def coords(self, index: int) -> tuple[int, int, int]:
-        """(dp_rank, tp_rank, pp_rank) of the index-th GPU of the mesh; axes [pipe, data, tensor]."""
-        pp_rank, rest = divmod(index, self.data * self.tensor)
-        dp_rank, tp_rank = divmod(rest, self.tensor)
-        return dp_rank, tp_rank, pp_rank
+    def coords(self, index: int) -> tuple[int, int, int, int]:
+        """(dp_rank, tp_rank, pp_rank, cp_rank) of the index-th GPU of the mesh; axes [pipe, data, context,
+        tensor]."""
+        pp_rank, rest = divmod(index, self.data * self.context * self.tensor)
+        dp_rank, rest = divmod(rest, self.context * self.tensor)
+        cp_rank, tp_rank = divmod(rest, self.tensor)
+        return dp_rank, tp_rank, pp_rank, cp_rank
 
-    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
+    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         """The index of the GPU at these coordinates (the inverse of `coords`)."""
-        return (pp_rank * self.data + dp_rank) * self.tensor + tp_rank
+        return ((pp_rank * self.data + dp_rank) * self.context + cp_rank) * self.tensor + tp_rank
 
 
 def _parse_spec(spec: str) -> ParallelSpec:
@@ -104,13 +113,13 @@ def _parse_spec(spec: str) -> ParallelSpec:
     if not spec:
         raise AllocationError("empty 3D spec (expected e.g. d4p1m2)")
     if not spec[0].isalpha():
-        raise AllocationError(f"3D spec {spec!r} must start with one of the letters d, m (or t), p, e")
+        raise AllocationError(f"3D spec {spec!r} must start with one of the letters d, m (or t), p, c, e")
     sizes: dict[str, int] = {}
     for letter, number in re.findall(r"([A-Za-z])([^A-Za-z]*)", spec):
         axis = _AXIS_OF_LETTER.get(letter)
         if axis is None:
             raise AllocationError(
-                f"unknown letter {letter!r} in 3D spec {spec!r} (use d, m or t, p; e optional)"
+                f"unknown letter {letter!r} in 3D spec {spec!r} (use d, m or t, p; c and e optional)"
             )
         if axis in sizes:
             raise AllocationError(f"3D spec {spec!r} gives the {axis} size twice")
@@ -119,7 +128,7 @@ def _parse_spec(spec: str) -> ParallelSpec:
         sizes[axis] = int(number)
     missing = [_LETTER_OF_AXIS[axis] for axis in _LETTER_OF_AXIS if axis not in sizes]
     if missing:
-        given = "d, m or t, p each once; e optional"
+        given = "d, m or t, p each once; c and e optional"
         raise AllocationError(f"3D spec {spec!r} lacks {' and '.join(missing)} ({given})")
     return ParallelSpec(**sizes)
 
@@ -165,6 +174,7 @@ def _check_mfc_name(mfc: str, text: str) -> None:
 
 
 _GEN_EXPERTS = "generation servers take expert parallelism from sglang.ep_size, not from allocation_mode"
+_GEN_CONTEXT = "a generation server holds each request's whole context (context parallelism is the trainer's)"
 
 
 def _mode_problem(mode: AllocationMode) -> str | None:
@@ -182,6 +192,8 @@ def _mode_problem(mode: AllocationMode) -> str | None:
             return f"generation pipeline size must be 1, got p{mode.gen.pipeline}"
         if mode.gen.expert != 1:
             return f"generation expert size must be 1, got e{mode.gen.expert}: {_GEN_EXPERTS}"
+        if mode.gen.context != 1:
+            return f"generation context size must be 1, got c{mode.gen.context}: {_GEN_CONTEXT}"
     elif mode.gen is not None or mode.gen_backend is not None:
         return "a colocated allocation has no generation backend"
     if not mode.train:
@@ -195,8 +207,11 @@ def _mode_problem(mode: AllocationMode) -> str | None:
         return f"MFC {twice[0]!r} is given twice"
     if mode.kind == "decoupled" and "actor_gen" in keys:
         return f"actor_gen runs on the {mode.gen_backend} servers; it takes no training layout"
-    if dict(mode.train).get("actor_gen", ParallelSpec(1, 1, 1)).expert != 1:
+    gen = dict(mode.train).get("actor_gen", ParallelSpec(1, 1, 1))
+    if gen.expert != 1:
         return f"actor_gen's layout is that of the generation servers, which takes no e: {_GEN_EXPERTS}"
+    if gen.context != 1:
+        return f"actor_gen's layout is that of the generation servers, which takes no c: {_GEN_CONTEXT}"
     if "actor_train" not in keys and DEFAULT_KEY not in keys:
         return (
             "no layout for actor_train: give actor_train:<3D spec> or '*:<3D spec>' for every MFC not listed"
@@ -258,8 +273,8 @@ def _parse_train(part: str) -> list[tuple[str, ParallelSpec]]:
 
 
 def format_allocation_mode(mode: AllocationMode | Allocation) -> str:
-    """Canonical text: generation part first, letters d, p, m (then e when above 1), per-MFC keys sorted with
-    `*` last."""
+    """Canonical text: generation part first, letters d, p, m (then c and e when above 1), per-MFC keys sorted
+    with `*` last."""
     if isinstance(mode, Allocation):
         mode = mode.mode
     if mode.kind == "manual":
@@ -295,6 +310,7 @@ class GpuRank:
     dp_rank: int
     tp_rank: int
     pp_rank: int
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -371,13 +387,15 @@ class Allocation:
     @property
     def server_layout(self) -> Placement:
         """Where the generation servers run: decoupled, the generation layout; colocated, the GPUs of actor_gen,
-        shared with the trainers (a server is a tensor group of that layout; its pipeline stages are servers
-        of their own, as a server has none)."""
+        shared with the trainers (a server is a tensor group of that layout; its pipeline stages and the GPUs of
+        a context group are servers of their own, as a server has neither)."""
         if self.gen_layout is not None:
             return self.gen_layout
         placement = self.layout("actor_gen")
         spec = placement.spec
-        return Placement(placement.gpus, ParallelSpec(spec.data * spec.pipeline, spec.tensor, 1))
+        return Placement(
+            placement.gpus, ParallelSpec(spec.data * spec.pipeline * spec.context, spec.tensor, 1)
+        )
 
     def gen_servers(self) -> tuple[GenServer, ...]:
         """The generation servers, one per generation TP group, in GPU order."""
@@ -404,8 +422,8 @@ class Allocation:
         out = {}
         for index, gpu in enumerate(placement.gpus):
             node, local = divmod(gpu, self.n_gpus_per_node)
-            dp_rank, tp_rank, pp_rank = placement.spec.coords(index)
-            out[gpu] = GpuRank(gpu, node, local, role, dp_rank, tp_rank, pp_rank)
+            dp_rank, tp_rank, pp_rank, cp_rank = placement.spec.coords(index)
+            out[gpu] = GpuRank(gpu, node, local, role, dp_rank, tp_rank, pp_rank, cp_rank)
         return out
 
 
@@ -473,7 +491,9 @@ def _all_layouts(alloc: Allocation) -> Iterable[tuple[str, ParallelSpec]]:
 
 
 def check_model_heads(alloc: Allocation, n_heads: int, n_kv_heads: int) -> None:
-    """Every tensor-parallel size must divide the model's attention heads and KV heads."""
+    """Every tensor-parallel size must divide the model's attention heads and KV heads, and t*c its attention
+    heads (sequence parallelism gives each rank of a context group heads of its own; KV heads that c does not
+    divide are repeated)."""
     for name, spec in _all_layouts(alloc):
         for count, what in ((n_heads, "attention heads"), (n_kv_heads, "KV heads")):
             if count % spec.tensor:
@@ -481,6 +501,13 @@ def check_model_heads(alloc: Allocation, n_heads: int, n_kv_heads: int) -> None:
                     f"{name} has tensor parallel size {spec.tensor}, which does not divide {count} {what}"
                 )
                 raise _fail(alloc.mode.text, problem)
+        if n_heads % (spec.tensor * spec.context):
+            problem = (
+                f"{name} has t*c = {spec.tensor}*{spec.context}, which does not divide {n_heads} attention "
+                "heads (each rank of a context group takes heads of its own); give a c that divides "
+                f"{n_heads // spec.tensor}"
+            )
+            raise _fail(alloc.mode.text, problem)
 
 
 def check_pipeline_batch(alloc: Allocation, n_seqs: int) -> None:

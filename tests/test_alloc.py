@@ -388,3 +388,59 @@ def test_a_spec_with_experts_formats_and_parses_back(data_size, tensor, pipeline
         f"sglang.d2p1m1+actor_train:{text},*:{ParallelSpec(stage, 1, pipeline).format()}"
     )
     assert parse_allocation_mode(format_allocation_mode(mode)) == mode
+
+
+# context parallelism: the optional letter c
+
+
+def test_context_letter_multiplies_the_world_and_formats_before_e():
+    spec = parse_allocation_mode("d2p1t1c4").train[0][1]
+    assert spec == ParallelSpec(data=2, tensor=1, pipeline=1, context=4) and spec.world_size == 8
+    assert format_allocation_mode(parse_allocation_mode("c2e2d2p1m2")) == "d2p1m2c2e2"
+    assert format_allocation_mode(parse_allocation_mode("d4p1m1c1")) == "d4p1m1"  # c1 is left out
+    alloc = resolve_allocation("sglang.d4p1m1+d2p1m1c4", n_nodes=3, n_gpus_per_node=4)
+    assert (alloc.n_gen_gpus, alloc.n_train_gpus) == (4, 8)
+
+
+def test_a_context_group_is_consecutive_gpus_inside_a_data_replica():
+    spec = ParallelSpec(data=2, tensor=2, pipeline=2, context=2)
+    coords = [spec.coords(i) for i in range(16)]  # (dp, tp, pp, cp): tensor fastest, then context
+    assert coords[:4] == [(0, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 1), (0, 1, 0, 1)]
+    assert coords[4] == (1, 0, 0, 0) and coords[8] == (0, 0, 1, 0)
+    assert [spec.rank_of(*c) for c in coords] == list(range(16))
+    ranks = resolve_allocation("d2p1m1c4", 1, 8).gpu_map()
+    assert [(ranks[g].dp_rank, ranks[g].cp_rank) for g in range(8)] == [
+        (d, c) for d in range(2) for c in range(4)
+    ]
+
+
+def test_colocated_servers_are_one_per_gpu_of_a_context_group():
+    alloc = resolve_allocation("d2p1m1c4", 1, 8)
+    assert alloc.server_layout.spec == ParallelSpec(8, 1, 1) and len(alloc.gen_servers()) == 8
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("d2p1m1c0", "'c' in 3D spec 'd2p1m1c0' needs a positive integer, got '0'"),
+        ("d2p1m1c2c2", "gives the context size twice"),
+        (
+            "sglang.d4p1m1c2+d4p1m1",
+            "generation context size must be 1, got c2: a generation server holds each request's whole context",
+        ),
+        (
+            "actor_gen:d4p1m1c2,*:d8p1m1",
+            "actor_gen's layout is that of the generation servers, which takes no c",
+        ),
+    ],
+)
+def test_context_size_errors_quote_the_string(text, problem):
+    with pytest.raises(AllocationError) as error:
+        parse_allocation_mode(text)
+    assert f"allocation_mode {text!r}" in str(error.value) and problem in str(error.value)
+
+
+def test_t_times_c_must_divide_the_attention_heads():
+    check_model_heads(resolve_allocation("d1p1m2c4", 1, 8), n_heads=16, n_kv_heads=2)  # KV heads repeat
+    with pytest.raises(AllocationError, match="t\\*c = 2\\*4, which does not divide 12 attention heads"):
+        check_model_heads(resolve_allocation("d1p1m2c4", 1, 8), n_heads=12, n_kv_heads=2)

@@ -457,3 +457,23 @@ def test_an_expert_size_allocation_mode_cannot_hold_is_refused(mode, message):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[f"allocation_mode={mode}", "actor.backend=megatron"])
     assert f"'allocation_mode': allocation_mode '{mode}'" in str(err.value) and message in str(err.value)
+
+
+def test_a_context_size_trains_on_fsdp_and_megatron_refuses_it_by_name(tiny_model_dir):
+    tiny = [f"actor.path={tiny_model_dir}", "ppo.gen.max_new_tokens=512", "dataset.max_prompt_len=512"]
+    cfg = load_config(overrides=[*tiny, "allocation_mode=builtin.d4p1m1+d2p1m1c2"])
+    assert mfc_spec(cfg, "actor_train") == ParallelSpec(data=2, tensor=1, pipeline=1, context=2)
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["allocation_mode=builtin.d4p1m1+d2p1m1c2", "actor.backend=megatron"])
+    assert (
+        "'allocation_mode': the training layout d2p1m1c2 has context size 2, but actor.backend 'megatron' has "
+        "no context parallelism (megatron-core's needs Transformer Engine's attention, which is not "
+        "installed): give actor.backend=fsdp (Ulysses sequence parallelism), or d4 without c"
+    ) in str(err.value)
+
+
+def test_a_context_size_must_divide_the_models_attention_heads(tiny_model_dir):
+    with pytest.raises(ConfigError) as err:  # the tiny model has 4 attention heads
+        load_config(overrides=[f"actor.path={tiny_model_dir}", "allocation_mode=builtin.d8p1m1+d1p1m1c8",
+                               "cluster.n_nodes=2", "cluster.n_gpus_per_node=8"])  # fmt: skip
+    assert "t*c = 1*8, which does not divide 4 attention heads" in str(err.value)

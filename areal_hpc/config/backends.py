@@ -23,15 +23,19 @@ class Backend:
     )
     value_model: bool = True  # can host the critic
     lora: bool = False  # trains LoRA adapters (actor.lora)
+    context_parallel: bool = False  # one sequence's tokens split over c ranks (allocation_mode's c)
     # Generation: each of a request's n answers drawn from its own stream of `sampling_seed`. SGLang ignores
     # the seed unless launched deterministic, and then gives all n answers the same one (n identical answers).
     seeded_sampling: bool = False
 
 
 TRAIN_BACKENDS = {
-    "fsdp": Backend("areal_hpc.train.backends.fsdp", optimizer_offload=True, lora=True),
+    "fsdp": Backend(
+        "areal_hpc.train.backends.fsdp", optimizer_offload=True, lora=True, context_parallel=True
+    ),
     "torch": Backend("areal_hpc.train.backends.torch"),  # replicated: the baseline of bench_train
-    # Issue 13 in progress: no value model yet.
+    # Issue 13 in progress: no value model yet. No context parallelism: megatron-core's needs Transformer
+    # Engine's attention, which this project does not install (checks._context_problem).
     "megatron": Backend(
         "areal_hpc.train.backends.megatron",
         tensor_parallel=True,

@@ -437,7 +437,20 @@ def _parallel_problems(cfg: ExperimentConfig, mode: alloc.AllocationMode) -> lis
                     )
             if spec.expert > 1 and not backend.expert_parallel:
                 out.append(_expert_problem(layout, spec, model, name))
+            if spec.context > 1 and not backend.context_parallel:
+                out.append(_context_problem(layout, spec, model, name))
     return out
+
+
+def _context_problem(layout: str, spec: alloc.ParallelSpec, model: str, name: str) -> str:
+    """A layout's c > 1 for a model whose backend has no context parallelism."""
+    able = [b for b, backend in TRAIN_BACKENDS.items() if backend.context_parallel]
+    why = {"megatron": " (megatron-core's needs Transformer Engine's attention, which is not installed)"}
+    return (
+        f"'allocation_mode': {layout} {spec.format()} has context size {spec.context}, but {model}.backend "
+        f"{name!r} has no context parallelism{why.get(name, '')}: give {model}.backend={able[0]} (Ulysses "
+        f"sequence parallelism), or d{spec.data * spec.context} without c"
+    )
 
 
 def _expert_problem(layout: str, spec: alloc.ParallelSpec, model: str, name: str) -> str:

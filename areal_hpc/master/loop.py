@@ -208,16 +208,17 @@ class Master:
         samples = buffer.ready(mfc.name, n_samples)
         if samples is None:
             raise RuntimeError(f"{mfc.name}: fewer than {n_samples} samples have its inputs {mfc.inputs}")
-        # A part per data-parallel replica of the call's layout; its first rank (TP and PP rank 0) writes the
-        # outputs.
+        # A part per data-parallel replica of the call's layout; its first rank (TP, PP and CP rank 0) writes
+        # the outputs.
         layout = self.layouts[mfc.name]
         parts = split_by_rank(samples, layout.data)
         # A key some samples lack is not sent: a dataset key or an optional one (graph.OPTIONAL_KEYS).
         keys = [k for k in mfc.inputs if all(k in s.keys for s in samples)]
         payloads, written = [], []
         for rank in range(self.trainers.n_ranks):
-            dp, tp, pp = layout.coords(rank)
-            out = str(self.rundir.step_data(step) / f"{mfc.name}.r{rank}.h5") if tp == pp == 0 else None
+            dp, tp, pp, cp = layout.coords(rank)
+            first = tp == pp == cp == 0
+            out = str(self.rundir.step_data(step) / f"{mfc.name}.r{rank}.h5") if first else None
             refs = refs_payload(parts[dp], keys)  # global_step: for head/tail off-policyness
             payloads.append({"mfc": mfc.name, "refs": refs, "out": out, "global_step": step})
             if out and mfc.outputs:
