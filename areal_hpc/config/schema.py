@@ -157,7 +157,12 @@ class ActorConfig(TrainedModelConfig):
 @dataclass
 class MicroBatchSpec:
     n_mbs: int = opt(1, "Minimum number of micro-batches.", ge=1)
-    max_tokens_per_mb: int = opt(30720, "Token budget of a micro-batch (first-fit-decreasing packing).", ge=1)
+    max_tokens_per_mb: int = opt(
+        30720,
+        "Token budget of a micro-batch per GPU (first-fit-decreasing packing); with allocation_mode's c, a "
+        "micro-batch holds c times as many, split over its context group.",
+        ge=1,
+    )
 
 
 @dataclass

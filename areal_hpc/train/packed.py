@@ -22,22 +22,30 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from areal_hpc.train import ulysses
+from areal_hpc.train.ulysses import ContextGroup
+
 ATTENTION = "areal_packed"
 
 
-def packed_kwargs(cu_seqlens: torch.Tensor) -> dict[str, torch.Tensor | int]:
-    """The model inputs besides ``input_ids [1, T]`` that make it run a packed micro-batch."""
+def packed_kwargs(cu_seqlens: torch.Tensor, context: ContextGroup | None = None) -> dict:
+    """The model inputs besides ``input_ids [1, T]`` that make it run a packed micro-batch; with a ``context``
+    group, its rank's slice of them (``input_ids`` too must be the slice)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
     positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
     cu32 = cu_seqlens.to(torch.int32)
-    return {
+    packed = {
         "position_ids": positions[None],
         "cu_seq_lens_q": cu32,
         "cu_seq_lens_k": cu32,
         "max_length_q": int(lengths.max()),
         "max_length_k": int(lengths.max()),
     }
+    if context is None:
+        return packed
+    start, end = context.bounds(len(positions))
+    return {**packed, "position_ids": positions[None, start:end], "context_group": context}
 
 
 @functools.cache
@@ -83,9 +91,11 @@ def packed_attention(
     sliding_window: int | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    context_group: ContextGroup | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed sequence: ``[1, heads, T, dim]`` in, ``[1, T, heads, dim]`` out."""
+    """Causal attention within each packed sequence: ``[1, heads, T, dim]`` in, ``[1, T, heads, dim]`` out.
+    With a ``context_group`` (``train.ulysses``) T is this rank's slice of the row the bounds describe."""
     if cu_seq_lens_q is None:
         raise ValueError(f"attention {ATTENTION!r} needs the packed sequences' bounds (packed_kwargs)")
     if dropout or sliding_window or query.shape[0] != 1:
@@ -94,7 +104,12 @@ def packed_attention(
             f"(got batch {query.shape[0]}, dropout {dropout}, sliding_window {sliding_window})"
         )
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, dim]
-    return causal_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
+    if context_group is None:
+        return causal_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
+    k, v = (ulysses.shared_kv_heads(x, context_group.size) for x in (k, v))
+    q, k, v = (ulysses.heads_to_sequence(x, context_group) for x in (q, k, v))
+    out = causal_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+    return ulysses.sequence_to_heads(out, context_group)[None], None
 
 
 def causal_varlen(

@@ -20,6 +20,7 @@ reply their handles for the server on their GPU) and `unshare_weights` once the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from areal_hpc.config import MFCS_OF, ExperimentConfig, mfc_spec, trainer_models
+from areal_hpc.config import MFCS_OF, ExperimentConfig, MicroBatchSpec, mfc_spec, trainer_models
 from areal_hpc.control import RunContext, WorkerServer, fsio, task_name, timeline
 from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
@@ -133,7 +134,7 @@ class TrainerHandlers:
         if mfc not in ("actor_inf", "ref_inf", "teacher_inf", "critic_inf"):
             raise ValueError(f"trainer cannot run inference call {mfc!r} (ppo options {ppo.disable_value=})")
         engine, stats = self._engine(mfc, mfc.removesuffix("_inf"))
-        mb_spec = getattr(self.cfg, mfc).mb_spec
+        mb_spec = self._mb_spec(mfc)
         if mfc == "actor_inf":
             out = self.actor.inference(engine, batch, mb_spec)
             if not isinstance(out, dict) or "proximal_logprobs" not in out:
@@ -152,6 +153,13 @@ class TrainerHandlers:
                 write_batch(payload["out"], {CU: batch[CU], **out})
         return {"path": payload["out"], "stats": stats}
 
+    def _mb_spec(self, mfc: str) -> MicroBatchSpec:
+        """The call's micro-batching; its token budget is per rank, so a context group of c ranks packs c times
+        as many tokens into a micro-batch (each rank runs 1/c of them)."""
+        spec = getattr(self.cfg, "actor_train" if mfc == "sft_train" else mfc).mb_spec
+        context = mfc_spec(self.cfg, mfc).context
+        return dataclasses.replace(spec, max_tokens_per_mb=spec.max_tokens_per_mb * context)
+
     def train_step(self, payload: dict) -> dict:
         with self.profiled(payload):
             return self._train_step(payload)
@@ -160,15 +168,13 @@ class TrainerHandlers:
         mfc, batch, cfg = payload["mfc"], _load(payload), self.cfg
         if mfc in ("actor_train", "sft_train"):
             stats = self.actor.train_step(
-                self.engines["actor"], batch, cfg.actor_train.mb_spec, global_step=payload.get("global_step")
+                self.engines["actor"], batch, self._mb_spec(mfc), global_step=payload.get("global_step")
             )
             if not isinstance(stats, dict):
                 raise ValueError(f"actor.interface {type(self.actor).__name__}.train_step returned {_keys(stats)}, "
                                  "not a dict of statistics")  # fmt: skip
         elif mfc == "critic_train":
-            stats = interfaces.critic_train_step(
-                self.engines["critic"], batch, cfg.ppo, cfg.critic_train.mb_spec
-            )
+            stats = interfaces.critic_train_step(self.engines["critic"], batch, cfg.ppo, self._mb_spec(mfc))
         else:
             raise ValueError(f"trainer cannot run train call {mfc!r}")
         model = "critic" if mfc == "critic_train" else "actor"

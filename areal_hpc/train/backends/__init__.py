@@ -4,7 +4,8 @@ A backend is a package (config/backends.py names it, by `actor.backend`, `ref.ba
 `Engine(model_cfg, total_train_steps, seed, critic=...)` is a `TrainEngine`. The model function calls
 (`train.interfaces`), the request handlers (`train.worker`) and weight publication use nothing else of it.
 
-    fsdp      parameters, gradients and optimizer state sharded over the data-parallel ranks (the default)
+    fsdp      parameters, gradients and optimizer state sharded over the data-parallel ranks (the default);
+              Ulysses sequence parallelism (Engine(..., context=))
     torch     the whole model on every rank, gradients summed over the data-parallel ranks
     megatron  megatron-core: tensor, pipeline, expert and data parallel
               (Engine(..., tensor=, pipeline=, expert=))
@@ -32,7 +33,7 @@ class TrainEngine(Protocol):
     dtype: torch.dtype  # the compute dtype, also that of published weights
     trainable: bool
     # The ranks holding other data (a minibatch's normaliser and statistics are reduced over them); None: all
-    # ranks. With tensor or pipeline parallelism, the ranks of one replica hold the same data.
+    # ranks. With tensor, pipeline or context parallelism, the ranks of one replica hold the same data.
     dp_group: Any
 
     def logprobs(
@@ -86,7 +87,7 @@ def make_engine(
 ) -> TrainEngine:
     """The engine of `model_cfg.backend`; `total_train_steps` None: inference only. A backend with tensor or
     pipeline parallelism gets their sizes from `spec` (the trainer's layout; None: 1 and 1), and one with
-    expert parallelism the expert size too."""
+    expert or context parallelism those sizes too."""
     backend = TRAIN_BACKENDS[model_cfg.backend]
     module = importlib.import_module(backend.module)
     kwargs = {}
@@ -94,4 +95,6 @@ def make_engine(
         kwargs = {"tensor": spec.tensor, "pipeline": spec.pipeline}
     if spec is not None and backend.expert_parallel:
         kwargs["expert"] = spec.expert
+    if spec is not None and backend.context_parallel:
+        kwargs["context"] = spec.context
     return module.Engine(model_cfg, total_train_steps, seed, critic=critic, **kwargs)

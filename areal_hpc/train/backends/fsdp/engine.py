@@ -11,6 +11,8 @@ micro-batches.
 - On CUDA the norms and MLPs are compiled (torch.compile): fused elementwise ops, fewer saved activations.
 - Inputs: a micro-batch runs as one packed row (``train.packed``): no padding is computed. The LM's
   logprobs and entropy come from ``train.head`` in chunks of tokens: no ``[T, V]`` logits.
+- ``context`` > 1 (allocation_mode's c): the c consecutive ranks of a context group share their micro-batches
+  and each runs a slice of every row's tokens (``train.ulysses``); FSDP still shards over every rank.
 - Every forward and backward is a collective: a rank with fewer micro-batches than another runs empty
   ones (one token, zero loss), so every rank makes the same calls.
 - ``optimizer.offload``: AdamW state lives in CPU memory and is streamed to the device one parameter at a
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -33,7 +36,7 @@ from areal_hpc.algo import align_next_token
 from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.control import timeline
 from areal_hpc.data import CU, select
-from areal_hpc.train import dist, lora
+from areal_hpc.train import dist, lora, ulysses
 from areal_hpc.train.backends.hf_dir import write_hf_dir
 from areal_hpc.train.backends.recover_state import RecoverState
 from areal_hpc.train.head import HEAD_CHUNK_TOKENS, chunked_logprobs
@@ -41,6 +44,7 @@ from areal_hpc.train.microbatch import EMPTY_MB, in_packed_order, micro_batch_gr
 from areal_hpc.train.models import DTYPES, ValueModel, compile_pointwise, enable_checkpointing, load_model
 from areal_hpc.train.numerics import LossFn, clipped_step, make_optimizer, make_schedule
 from areal_hpc.train.packed import ATTENTION, packed_kwargs
+from areal_hpc.train.ulysses import ContextGroup
 from areal_hpc.weights import Adapter, merged, write_adapter
 
 
@@ -52,25 +56,36 @@ class PackedModel(nn.Module):
     The LM head runs inside this module's forward, where FSDP has its weight unsharded.
     """
 
-    def __init__(self, model: nn.Module, chunk_tokens: int = HEAD_CHUNK_TOKENS):
+    def __init__(
+        self, model: nn.Module, chunk_tokens: int = HEAD_CHUNK_TOKENS, context: ContextGroup | None = None
+    ):
         super().__init__()
-        self.model, self.chunk_tokens = model, chunk_tokens
+        self.model, self.chunk_tokens, self.context = model, chunk_tokens, context
         self.critic = isinstance(model, ValueModel)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0):
-        packed = packed_kwargs(cu_seqlens)
+        n, rows = input_ids.shape[0], cu_seqlens
+        if self.context is not None:  # this rank's slice of a row that c divides
+            rows = ulysses.padded(cu_seqlens, self.context.size)
+            input_ids = F.pad(input_ids, (0, int(rows[-1]) - n))
+        start, end = self.context.bounds(input_ids.shape[0]) if self.context else (0, n)
+        packed, ids = packed_kwargs(rows, self.context), input_ids[None, start:end]
         if self.critic:
-            values = self.model(input_ids[None], None, use_cache=False, **packed)[0]
-            return {"values": values.float().clone()}  # not a view: FSDP hooks the output for backward
-        hidden = self.model.model(input_ids=input_ids[None], use_cache=False, **packed).last_hidden_state[0]
-        labels = torch.roll(input_ids, -1)  # each sequence's last position predicts garbage, dropped below
+            values = self.model(ids, None, use_cache=False, **packed)[0]
+            return {"values": self._whole(values.float(), n).clone()}  # not a view: FSDP hooks the output
+        hidden = self.model.model(input_ids=ids, use_cache=False, **packed).last_hidden_state[0]
+        labels = torch.roll(input_ids, -1)[start:end]  # a sequence's last position predicts garbage, dropped
         logp, entropy = chunked_logprobs(
             hidden, self.model.lm_head.weight, labels, temperature, self.chunk_tokens
         )
         return {
-            "logprobs": align_next_token(logp, cu_seqlens),
-            "entropy": align_next_token(entropy, cu_seqlens),
+            "logprobs": align_next_token(self._whole(logp, n), cu_seqlens),
+            "entropy": align_next_token(self._whole(entropy, n), cu_seqlens),
         }
+
+    def _whole(self, values: torch.Tensor, n: int) -> torch.Tensor:
+        """Per-token values of the row's first ``n`` tokens, from this rank's slice of them."""
+        return values if self.context is None else ulysses.gather_slices(values, self.context)[:n]
 
 
 def _shard(net: PackedModel, mp: MixedPrecisionPolicy | None) -> None:
@@ -90,10 +105,9 @@ def _shard(net: PackedModel, mp: MixedPrecisionPolicy | None) -> None:
 class FSDPEngine(RecoverState):
     """A model (causal LM, or with ``critic`` a value model) sharded over this process group's ranks.
 
-    Arguments as ``TorchEngine``'s. Alone (no process group), the engine starts a one-rank group itself.
+    Arguments as ``TorchEngine``'s, and the ``context`` size of sequence parallelism. Alone (no process
+    group), the engine starts a one-rank group itself.
     """
-
-    dp_group = None  # every rank holds data of its own
 
     def __init__(
         self,
@@ -102,10 +116,13 @@ class FSDPEngine(RecoverState):
         seed: int = 1,
         *,
         critic: bool = False,
+        context: int = 1,
     ):
         if not model_cfg.path:
             raise ValueError("the model config has no path to load the model from")
         dist.init_alone()
+        # Without c every rank holds data of its own (dp_group None: all ranks); with it, a context group's.
+        self.context, self.dp_group = ulysses.context_groups(context)
         torch.manual_seed(seed)
         self.cfg, self.source_dir = model_cfg, Path(model_cfg.path)
         self.device, self.dtype = dist.default_device(), DTYPES[model_cfg.dtype]
@@ -122,7 +139,7 @@ class FSDPEngine(RecoverState):
             self.recover_only = lora.is_adapter  # the base is the model's path, never changed
         if self.trainable and model_cfg.gradient_checkpointing:
             enable_checkpointing(model)
-        self.net = PackedModel(model).to(self.device)
+        self.net = PackedModel(model, context=self.context).to(self.device)
         if self.device.type == "cuda":
             compile_pointwise(self.net)
         mixed = self.trainable and self.dtype != torch.float32
