@@ -41,6 +41,7 @@ CASES = {
     "qwen3-1.7b-8gpu-tools": (("qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-8gpu-tools.yaml"), ()),
     "qwen3-30b-a3b-16gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-30b-a3b-16gpu-megatron.yaml"), ()),
     "qwen3-235b-a22b-128gpu-megatron": (("qwen3-1.7b-8gpu.yaml", "qwen3-235b-a22b-128gpu-megatron.yaml"), ()),
+    "qwen3-8b-32gpu-long": (("qwen3-1.7b-8gpu.yaml", "qwen3-8b-32gpu-long.yaml"), ()),
 }
 
 

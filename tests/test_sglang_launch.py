@@ -26,6 +26,7 @@ CASES = {
     "qwen3-1.7b-1gpu-colocated": (["qwen3-1.7b-8gpu.yaml", "qwen3-1.7b-1gpu-colocated.yaml"], [], 1),
     "qwen2.5-7b-1gpu-lora": (["qwen3-1.7b-8gpu.yaml", "qwen2.5-7b-1gpu-lora.yaml"], [], 1),
     "qwen3-30b-a3b-16gpu-megatron": (["qwen3-1.7b-8gpu.yaml", "qwen3-30b-a3b-16gpu-megatron.yaml"], [], 8),
+    "qwen3-8b-32gpu-long": (["qwen3-1.7b-8gpu.yaml", "qwen3-8b-32gpu-long.yaml"], [], 8),
     "qwen3-235b-a22b-128gpu-megatron": (
         ["qwen3-1.7b-8gpu.yaml", "qwen3-235b-a22b-128gpu-megatron.yaml"],
         [],
