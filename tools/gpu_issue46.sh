@@ -1,15 +1,16 @@
 #!/bin/bash
-# Issues 46's and 47's runs on one lent GPU (device tool; carry .whl (peft and accelerate among them), .cache/tiny and .cache/baseline-46, the package before
+# Issues 46's, 47's and 48's runs on one lent GPU (device tool; carry .whl (peft and accelerate among them), .cache/tiny and .cache/baseline-46, the package before
 # issue 46 with today's tools:
 #   mkdir -p .cache/baseline-46 && git archive 9dd158c areal_hpc tools configs | tar -x -C .cache/baseline-46 \
 #     && cp tools/gpu_check_colocated.py .cache/baseline-46/tools/
 # Each part logs to $OUT/<part>.log; each run writes $OUT/<part>-<label>.json and, for today's code, its trace.
 #   tools/gpu_issue46.sh step        # the issue-32 step (1.5B, 16 x 8 x 1,024, tensor mode): baseline, today's
-#   tools/gpu_issue46.sh overhead    # today's with logging.timeline off and on
+#   tools/gpu_issue46.sh overhead    # today's with logging.timeline off (step-today has it on)
 #   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
+#   tools/gpu_issue46.sh long        # issue 48: tools/bench_long.py, the longest sequence per shape at c = 1
 set -o pipefail
 source tools/gpu_env.sh
 export AREAL_HPC_TINY=$PWD/.cache/tiny
@@ -27,9 +28,8 @@ step() {
   check step-baseline $BASE --shape 1.5b $MB
   check step-today . --shape 1.5b $MB
 }
-overhead() {
+overhead() {  # against step-today, the same run with the timeline on (its default)
   check overhead-off . --shape 1.5b $MB --set logging.timeline=false
-  check overhead-on . --shape 1.5b $MB
 }
 loglinear() {
   check loglinear . --shape 1.5b $MB --set ppo.use_decoupled_loss=true --set ppo.prox_logp_method=loglinear
@@ -47,11 +47,13 @@ lora7b() {
   check lora7b . --shape 7b $MB --set actor.lora.rank=64 --set actor.lora.alpha=128 \
     --weight-update-mode adapter --set actor.gradient_checkpointing=true
 }
+# Issue 48: the longest sequence each shape trains at c = 1, and its MFU.
+long() { PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --out $OUT/long.jsonl; }
 nvidia-smi -L
 for part in "$@"; do
   echo "=== $part"
   start=$(date +%s)
-  $part 2>&1 | tee $OUT/$part.log | grep -E "^step |e2e|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error" \
+  $part 2>&1 | tee $OUT/$part.log | grep -E "^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error" \
     || { echo "FAILED: $part"; status=1; }
   echo "=== $part: $(( $(date +%s) - start )) s"
 done

@@ -1,0 +1,106 @@
+"""The longest answer each shape trains on one GPU at c = 1 (issue 48): one sequence of L tokens per micro-batch
+through the fsdp engine with gradient checkpointing and the chunked LM head, L doubling until the GPU runs
+out of memory. Random-weight Qwen2.5 shapes are built on the spot (tools/bench_train.py's); the 7B shape keeps
+its Adam state in CPU memory (optimizer.offload), as on one GPU it must.
+
+Each length reports the forward and backward seconds of its micro-batch and their MFU (6 N per token plus
+causal attention's 6 h L s^2, over the H200's dense bf16 peak), and the peak GPU memory. The optimizer step does
+not depend on L; it is timed once per shape, at the first length.
+
+    python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from areal_hpc.config.schema import OptimizerConfig, TrainedModelConfig  # noqa: E402
+from areal_hpc.train.backends import make_engine  # noqa: E402
+from tools.bench_train import PEAK_FLOPS, VOCAB, build_model, loss_fn, model_flops  # noqa: E402
+
+
+def one_sequence(length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"cu_seqlens": np.array([0, length]), "packed_input_ids": rng.integers(0, VOCAB, length)}
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def longest(shape: str, lengths: list[int], root: Path) -> list[dict]:
+    model = root / shape
+    n_params = build_model(shape, model, "cuda")
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = max(lengths)  # random weights: the rotary table only needs the room
+    (model / "config.json").write_text(json.dumps(config))
+    offload = shape == "7b"
+    cfg = TrainedModelConfig(
+        path=str(model), dtype="bfloat16", gradient_checkpointing=True,
+        optimizer=OptimizerConfig(lr=1e-6, warmup_steps_proportion=0.0, offload=offload),
+    )  # fmt: skip
+    engine = make_engine(cfg, total_train_steps=100)
+    rows = []
+    for i, length in enumerate(lengths):
+        mbs = [one_sequence(length)]
+        torch.cuda.reset_peak_memory_stats()
+        row = {"shape": shape, "tokens": length, "offload": offload}
+        try:
+            if i == 0:  # compiles the norms and MLPs, then the optimizer step, alone
+                engine.train_minibatch(mbs, loss_fn, skip=lambda: True)
+                row["step_s"] = round(timed(lambda: engine.train_minibatch(mbs, loss_fn)), 2)
+            secs = timed(lambda: engine.train_minibatch(mbs, loss_fn, skip=lambda: True))
+        except torch.OutOfMemoryError:
+            rows.append({**row, "result": "out of memory"})
+            print(json.dumps(rows[-1]), flush=True)
+            break
+        flops = model_flops(n_params, shape, np.array([length]))
+        row.update(forward_backward_s=round(secs, 2), mfu=round(flops / secs / PEAK_FLOPS, 4),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="1.5b,3b,7b")
+    parser.add_argument("--lengths", default="16384,32768,65536,131072")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-long-") as root:
+        for shape in args.shapes.split(","):
+            rows += longest(shape, lengths, Path(root))
+    for shape in args.shapes.split(","):
+        fit = [r for r in rows if r["shape"] == shape and "mfu" in r]
+        best = fit[-1] if fit else None
+        print(f"{shape}: longest trained {best['tokens'] if best else 0} tokens"
+              + (f" at {best['mfu']:.1%} MFU, {best['peak_gib']} GiB" if best else ""))  # fmt: skip
+    if args.out:
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
