@@ -30,9 +30,9 @@ TOY = str(REPO_ROOT / "configs" / "toy-cpu.yaml")
         (["rollout.workflow=tool_loop", "rollout.export=per_step"], "'rollout.export'"),
         (["rollout.agent=solve"], "'rollout.agent' is 'solve': not a registered name (registered: none)"),
         (["rollout.agent=my agents:solve"], "'rollout.agent' is 'my agents:solve'; write 'module.path:attribute'"),
-        (["rollout.agent=agent_fns:not_async"],
-         "'rollout.agent' is 'agent_fns:not_async', which is not an async function: write "
-         "`async def not_async(base_url, api_key, record)`"),
+        (["rollout.agent=agent_fns:NOT_A_FUNCTION"],
+         "'rollout.agent' is 'agent_fns:NOT_A_FUNCTION', which is not a function: write "
+         "`async def NOT_A_FUNCTION(base_url, api_key, record)`"),
         (["rollout.agent=agent_fns:takes_two"],
          "'rollout.agent' is 'agent_fns:takes_two'(base_url, record), which does not take (base_url, api_key, "
          "record)"),

@@ -255,3 +255,12 @@ def test_hundreds_of_episodes_connect_at_once(builtin_client, tiny_tokenizer, en
     # A rollout has every episode of every group in flight: they all reach the endpoint together.
     result = run_agent(one_short_call, builtin_client, services(tiny_tokenizer), endpoint, group_size=200)
     assert result.rewards == [1.0] * 200
+
+
+@pytest.mark.parametrize("agent", [sdk_agents.sync_three_turns, sdk_agents.async_but_blocking])
+def test_an_agent_that_blocks_stalls_nothing_but_itself(builtin_client, tiny_tokenizer, endpoint, agent):
+    """A plain function with the blocking client, and an async one that blocks its loop: each runs in a thread
+    of its own, so the endpoint still serves the episode's calls (before, they hung until their timeout)."""
+    result = run_agent(agent, builtin_client, services(tiny_tokenizer), endpoint, timeout=30)
+    assert result.counts["turns"] == 6 and result.counts["breaks"] == 0
+    assert [r for r in result.rewards] == [1.0, 1.0]

@@ -327,9 +327,9 @@ class RolloutConfig:
     )
     agent: str | None = opt(
         None,
-        "An agent to train as it is: 'module:function', an async function (base_url, api_key, record) -> reward "
-        "that reaches the model through the OpenAI API at base_url with that key (docs/agents.md). It replaces "
-        "rollout.workflow.",
+        "An agent to train as it is: 'module:function', a function (base_url, api_key, record) -> reward, async "
+        "or plain, that reaches the model through the OpenAI API at base_url with that key (docs/agents.md); it "
+        "runs in a thread of its own, so blocking calls are fine. It replaces rollout.workflow.",
     )
     agent_command: str | None = opt(
         None,

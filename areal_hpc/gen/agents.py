@@ -1,8 +1,9 @@
 """An agent trained as it is: the workflow that gives each episode a key to the OpenAI endpoint (gen.endpoint)
 and runs the user's agent against it, a Python function (rollout.agent) or a program (rollout.agent_command).
 
-A function is `async def agent(base_url, api_key, record) -> reward`; ``record`` is the prompt's dataset record
-(data.PromptSample). A program gets OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL in its environment and the
+A function is `async def agent(base_url, api_key, record) -> reward` (or a plain `def`); ``record`` is the
+prompt's dataset record (data.PromptSample). It runs in a thread of its own, an async one in an event loop of
+that thread, so that a blocking call in it holds up its own episode only. A program gets OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL in its environment and the
 record as one JSON object on its stdin; its reward is the last line of its stdout, a number, read when it exits.
 The program's stdout and stderr are kept per episode, each cut at rollout.agent_output_bytes, in logs/agents/ (a
 file per group, named by control.fsio.name_of of the prompt's id).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import math
 import numbers
@@ -49,12 +51,12 @@ PROGRAMS_PER_CPU = 4  # rollout.agent_concurrency's default for programs (agent_
 
 
 def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
-    """The workflow of rollout.agent."""
+    """The workflow of rollout.agent: the function runs in a thread of its own (see ``in_own_thread``)."""
 
     async def workflow(ctx, record) -> float:
         key = endpoint.open(ctx)
         try:
-            reward = await fn(endpoint.base_url, key, record)
+            reward = await in_own_thread(fn, endpoint.base_url, key, record)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:
@@ -65,6 +67,46 @@ def function_agent(fn: Callable, endpoint: Endpoint) -> Callable:
         return _returned_reward(reward)
 
     return workflow
+
+
+async def in_own_thread(fn: Callable, *args) -> object:
+    """``fn(*args)`` in a thread of its own, and an async ``fn`` in an event loop of that thread: a blocking call
+    in an agent (a sync HTTP client, a sync framework) then stalls only its own episode, never this loop, which
+    serves the episode's calls to the endpoint and generates the other episodes of the group. Cancelling the
+    await cancels an async agent where it waits; a blocking call returns when the endpoint, which closes the
+    episode's key at its end, answers it."""
+    loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+    inner: dict = {}  # the agent's loop and task, once they exist
+
+    def settle(outcome: str, value) -> None:
+        if not done.done():
+            getattr(done, outcome)(value)
+
+    def run() -> None:
+        try:
+            with asyncio.Runner() as runner:
+                value = fn(*args)  # a plain function blocks here, in this thread
+                if inspect.isawaitable(value):
+                    inner["loop"] = own = runner.get_loop()
+                    inner["task"] = task = own.create_task(_awaited(value))
+                    value = own.run_until_complete(task)
+            loop.call_soon_threadsafe(settle, "set_result", value)
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting episode, which decides)
+            with suppress(RuntimeError):  # the episode's loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(settle, "set_exception", exc)
+
+    threading.Thread(target=run, name="agent", daemon=True).start()
+    try:
+        return await done
+    except asyncio.CancelledError:
+        if "task" in inner:
+            with suppress(RuntimeError):
+                inner["loop"].call_soon_threadsafe(inner["task"].cancel)
+        raise
+
+
+async def _awaited(awaitable) -> object:
+    return await awaitable
 
 
 def command_agent(

@@ -293,9 +293,9 @@ def _template_problem(cfg: ExperimentConfig, field: str, spec: str, tools: list[
 
 
 def _agent_problems(cfg: ExperimentConfig, spec: str, fn) -> list[str | None]:
-    """An agent is an async function (base_url, api_key, record); it reaches the model by the OpenAI API."""
-    if not inspect.iscoroutinefunction(fn):
-        return [f"'rollout.agent' is {spec!r}, which is not an async function: write `async def {spec.split(':')[-1]}"
+    """An agent is a function (base_url, api_key, record), async or not; it reaches the model by the OpenAI API."""
+    if not callable(fn):
+        return [f"'rollout.agent' is {spec!r}, which is not a function: write `async def {spec.split(':')[-1]}"
                 "(base_url, api_key, record)` (docs/agents.md)"]  # fmt: skip
     how = "(base_url, api_key, record)"
     return [

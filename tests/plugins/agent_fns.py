@@ -9,8 +9,7 @@ async def solve(base_url, api_key, record):
     return 1.0
 
 
-def not_async(base_url, api_key, record):
-    return 1.0
+NOT_A_FUNCTION = 1.0
 
 
 async def takes_two(base_url, record):

@@ -147,3 +147,25 @@ async def malformed_for_one_prompt_in_four(base_url, api_key, record):
     if all(400 <= status < 500 for status in statuses):
         raise RuntimeError(f"the endpoint refused every request: {statuses}")
     return 0.0
+
+
+def _three_turns_blocking(base_url, api_key, record):
+    with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=30) as client:
+        messages = [{"role": "user", "content": record.prompt}]
+        for turn in range(3):
+            response = client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALCULATOR], max_tokens=12
+            )
+            messages.append(response.choices[0].message)
+            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn)})
+    return 1.0
+
+
+def sync_three_turns(base_url, api_key, record):
+    """A plain function with the SDK's blocking client, as sync frameworks are."""
+    return _three_turns_blocking(base_url, api_key, record)
+
+
+async def async_but_blocking(base_url, api_key, record):
+    """An async function that makes blocking calls (LiteLLM's sync completion, a sync HTTP client inside)."""
+    return _three_turns_blocking(base_url, api_key, record)
