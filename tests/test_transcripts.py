@@ -246,3 +246,34 @@ def test_printed_texts_reach_the_terminal_with_their_control_characters_escaped(
     text = format_episode(episode)
     assert "\x1b" not in text and "\u202e" not in text and "\x07" not in text
     assert "q\\x1b]0;title\\x07" in text and "  hi\\x1b[2J\n  there" in text and "\\u202eevil" in text
+
+
+def test_parallel_tool_calls_false_returns_a_turns_first_call_and_trains_all_it_sampled(
+    tiny_tokenizer, endpoint, tmp_path
+):
+    got = []  # the calls of each reply
+
+    async def one_call_at_a_time(base_url, api_key, record):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            messages = [{"role": "user", "content": record.prompt}]
+            for _ in range(2):
+                response = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=[CALCULATOR, CLOCK], parallel_tool_calls=False
+                )
+                message = response.choices[0].message
+                messages.append(message)
+                got.append([call.function.name for call in message.tool_calls or []])
+                for call in message.tool_calls or []:
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": "1786"})
+        return 1.0
+
+    svc = services(tiny_tokenizer)
+    svc.transcripts = TranscriptLog(RunDir(tmp_path), groups=1)
+    contexts = [EpisodeContext(svc, ScriptedModel(tiny_tokenizer, [CALLS, ANSWER]), RECORD, PARAMS, 0)]
+    assert asyncio.run(function_agent(one_call_at_a_time, endpoint)(contexts[0], RECORD)) == 1.0
+    assert got == [["calculator"], []]
+    counts = contexts[0].counts
+    assert (counts["cut_tool_calls"], counts["tool_results"], counts["breaks"]) == (3, 1, 0)
+    (traj,) = contexts[0].trajectories  # one sample: the whole first turn, all four calls, trained as sampled
+    first = traj.turns[0]
+    assert tiny_tokenizer.decode(traj.ids[first.start : first.end], skip_special_tokens=True) == CALLS

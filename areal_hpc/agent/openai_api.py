@@ -44,7 +44,7 @@ COMPLETION_FIELDS = COMMON | {
 }
 # Fields accepted at one value only, the one that changes nothing here.
 NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False,
-           "top_logprobs": 0, "echo": False, "parallel_tool_calls": True, "response_format": {"type": "text"}}  # fmt: skip
+           "top_logprobs": 0, "echo": False, "response_format": {"type": "text"}}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -75,6 +75,7 @@ class Request:
     messages: list[dict] = field(default_factory=list)  # chat
     tools: list[dict] | None = None  # chat
     parse_tools: bool = True  # chat: tool_choice none leaves the model's text as it is
+    parallel_tool_calls: bool = True  # chat: false returns a turn's first tool call only
     prompt: str | list[int] | None = None  # completions
 
 
@@ -95,6 +96,9 @@ def parse_chat(body: Any, model: str) -> Request:
             "tool_choice", "only 'auto' and 'none' are served (a forced call needs constrained decoding)"
         )
     request.parse_tools = choice != "none"
+    request.parallel_tool_calls = fields.get("parallel_tool_calls", True)
+    if not isinstance(request.parallel_tool_calls, bool):
+        raise bad("parallel_tool_calls", "must be true or false")
     if (limit := fields.get("max_completion_tokens")) is not None:
         request.sampling["max_new_tokens"] = _count("max_completion_tokens", limit)
     return request

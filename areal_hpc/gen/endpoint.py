@@ -164,8 +164,9 @@ class Endpoint:
         sampling = _bounded(ctx, request.sampling)
         answered = session.tools.answered(request.messages)
         reply = await ctx.chat(
-            request.messages, request.tools, sampling, request.stop, parse_tools=request.parse_tools
-        )
+            request.messages, request.tools, sampling, request.stop, request.parse_tools,
+            request.parallel_tool_calls,
+        )  # fmt: skip
         session.tools.served(answered, ctx.pending_calls, request.tools)
         turn = ctx.last_turn
         context = len(ctx.trajectories[-1].ids) - len(turn.ids)

@@ -241,15 +241,20 @@ class EpisodeContext:
         sampling: dict | None = None,
         stop: Sequence[str] = (),
         parse_tools: bool = True,
+        parallel_tool_calls: bool = True,
     ) -> dict:
         """The assistant's reply to ``messages`` (OpenAI-style dicts; ``tools``: function schemas), its tool calls
-        parsed into ``tool_calls`` (``parse_tools`` false: the whole text is the content). When ``messages``
-        extend the conversation so far (earlier messages and replies, unchanged), only the new messages' tokens
-        are appended to the sampled ids. ``sampling`` and ``stop``: as for generate."""
+        parsed into ``tool_calls`` (``parse_tools`` false: the whole text is the content; ``parallel_tool_calls``
+        false: the first call only, the others counted as ``cut_tool_calls``; the sampled ids keep them all).
+        When ``messages`` extend the conversation so far (earlier messages and replies, unchanged), only the new
+        messages' tokens are appended to the sampled ids. ``sampling`` and ``stop``: as for generate."""
         messages = list(messages)
         renderer, ids = self._render(messages, tools)
         turn = await self.generate(ids, sampling, stop)
         self._calls = parse_tool_calls(turn.text) if parse_tools else []
+        if not parallel_tool_calls and len(self._calls) > 1:
+            self.counts["cut_tool_calls"] += len(self._calls) - 1
+            self._calls = self._calls[:1]
         reply: dict = {"role": "assistant", "content": content_of(turn.text) if parse_tools else turn.text}
         if calls := to_openai(self._calls):
             reply["tool_calls"] = calls
