@@ -277,3 +277,81 @@ def test_parallel_tool_calls_false_returns_a_turns_first_call_and_trains_all_it_
     (traj,) = contexts[0].trajectories  # one sample: the whole first turn, all four calls, trained as sampled
     first = traj.turns[0]
     assert tiny_tokenizer.decode(traj.ids[first.start : first.end], skip_special_tokens=True) == CALLS
+
+
+class RecordingModel(ScriptedModel):
+    """A ScriptedModel that keeps the ids of each request (of its one prompt)."""
+
+    def __init__(self, tokenizer, texts):
+        super().__init__(tokenizer, texts)
+        self.inputs = []
+
+    def generate(self, input_ids, *args, **kwargs):
+        (ids,) = input_ids
+        self.inputs.append(list(ids))
+        return super().generate(input_ids, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "choice, opening, written",
+    [
+        ("required", '<tool_call>\n{"name": "', 'clock", "arguments": {}}\n</tool_call>'),
+        ({"type": "function", "function": {"name": "calculator"}}, '<tool_call>\n{"name": "calculator", '
+         '"arguments": ', '{"expression": "6 * 7"}}\n</tool_call>'),
+    ],
+    ids=["required", "named"],
+)  # fmt: skip
+def test_a_forced_tool_choice_opens_the_call_for_the_model_and_trains_only_what_it_wrote(
+    tiny_tokenizer, endpoint, choice, opening, written
+):
+    got = []
+
+    async def forced(base_url, api_key, record):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            messages = [{"role": "user", "content": record.prompt}]
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALCULATOR, CLOCK], tool_choice=choice
+            )
+            got.append(response.choices[0])
+        return 1.0
+
+    svc, model = services(tiny_tokenizer), RecordingModel(tiny_tokenizer, [written])
+    (ctx,) = [EpisodeContext(svc, model, RECORD, PARAMS, 0)]
+    assert asyncio.run(function_agent(forced, endpoint)(ctx, RECORD)) == 1.0
+    (choice_out,) = got
+    assert choice_out.finish_reason == "tool_calls"
+    ((call_name, arguments),) = [
+        (c.function.name, c.function.arguments) for c in choice_out.message.tool_calls
+    ]
+    assert call_name == ("clock" if choice == "required" else "calculator")
+    # The model was asked to go on from the call's opening; the opening is context, not trained.
+    forced_ids = tiny_tokenizer.encode(opening, add_special_tokens=False)
+    assert model.inputs[0][-len(forced_ids) :] == forced_ids
+    (traj,) = ctx.trajectories
+    (turn,) = traj.turns
+    assert traj.ids[turn.start - len(forced_ids) : turn.start] == forced_ids
+    assert tiny_tokenizer.decode(traj.ids[turn.start : turn.end], skip_special_tokens=True) == written
+    assert ctx.counts["forced_turns"] == 1
+
+
+def test_a_named_tool_choice_must_name_one_of_the_tools(tiny_tokenizer, endpoint):
+    errors = []
+
+    async def asks(base_url, api_key, record):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            messages = [{"role": "user", "content": record.prompt}]
+            for choice, tools in ((({"type": "function", "function": {"name": "weather"}}), [CALCULATOR]),
+                                  ("required", None), ("any", [CALCULATOR])):  # fmt: skip
+                try:
+                    await client.chat.completions.create(
+                        model="policy", messages=messages, tools=tools, tool_choice=choice
+                    )
+                except openai.BadRequestError as exc:
+                    errors.append(exc.body["message"])
+        return 1.0
+
+    ctx = EpisodeContext(services(tiny_tokenizer), ScriptedModel(tiny_tokenizer, []), RECORD, PARAMS, 0)
+    asyncio.run(function_agent(asks, endpoint)(ctx, RECORD))
+    assert errors[0].startswith("tool_choice: a named choice is") and "['calculator']" in errors[0]
+    assert errors[1] == "tool_choice: 'required' needs tools to call"
+    assert errors[2] == "tool_choice: must be 'auto', 'none', 'required' or a named function"

@@ -36,10 +36,14 @@ def one_sequence(length: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"cu_seqlens": np.array([0, length]), "packed_input_ids": rng.integers(0, VOCAB, length)}
 
 
-def timed(fn) -> float:
+def no_update() -> bool:  # train_minibatch's skip: forward and backward, no optimizer step
+    return True
+
+
+def timed(fn, *args, **kwargs) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -63,9 +67,9 @@ def longest(shape: str, lengths: list[int], root: Path) -> list[dict]:
         row = {"shape": shape, "tokens": length, "offload": offload}
         try:
             if i == 0:  # compiles the norms and MLPs, then the optimizer step, alone
-                engine.train_minibatch(mbs, loss_fn, skip=lambda: True)
-                row["step_s"] = round(timed(lambda: engine.train_minibatch(mbs, loss_fn)), 2)
-            secs = timed(lambda: engine.train_minibatch(mbs, loss_fn, skip=lambda: True))
+                engine.train_minibatch(mbs, loss_fn, skip=no_update)
+                row["step_s"] = round(timed(engine.train_minibatch, mbs, loss_fn), 2)
+            secs = timed(engine.train_minibatch, mbs, loss_fn, skip=no_update)
         except torch.OutOfMemoryError:
             rows.append({**row, "result": "out of memory"})
             print(json.dumps(rows[-1]), flush=True)
@@ -75,9 +79,6 @@ def longest(shape: str, lengths: list[int], root: Path) -> list[dict]:
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -92,6 +93,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-long-") as root:
         for shape in args.shapes.split(","):
             rows += longest(shape, lengths, Path(root))
+            gc.collect()  # the shape's engine, before the next is built
+            torch.cuda.empty_cache()
     for shape in args.shapes.split(","):
         fit = [r for r in rows if r["shape"] == shape and "mfu" in r]
         best = fit[-1] if fit else None

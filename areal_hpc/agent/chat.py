@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 SENTINEL = "ArealHpcSentinelTurn"
+SENTINEL_NAME, SENTINEL_ARGUMENT = "areal_hpc_sentinel_tool", "areal_hpc_sentinel_argument"
 
 
 class ChatTemplateError(ValueError):
@@ -86,6 +87,25 @@ class ChatRenderer:
                 "the chat template does not render an assistant turn after its generation prompt"
             )
         return self.encode(whole[len(prompt) : end + len(self._end_text)])
+
+    def call_opening(self, name: str | None = None) -> str:
+        """The text an assistant turn that calls a tool begins with, as the template writes it: up to the
+        function's name (``name`` None), or with ``name`` written, up to its arguments. Appended to a prompt,
+        it makes the model's turn a tool call (tool_choice required, or a named function)."""
+        user = [{"role": "user", "content": "Hi"}]
+        function = {"name": SENTINEL_NAME, "arguments": {SENTINEL_ARGUMENT: 0}}
+        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call_0",
+                                                                     "function": function}]}  # fmt: skip
+        prompt, whole = self.text(user), self.text([*user, call], generation_prompt=False)
+        body = whole[len(prompt) :] if whole.startswith(prompt) else ""
+        at_name, at_arguments = body.find(SENTINEL_NAME), body.find(SENTINEL_ARGUMENT)
+        if not 0 <= at_name < at_arguments:
+            raise ChatTemplateError(
+                "the chat template does not render a tool call's name before its arguments"
+            )
+        if name is None:
+            return body[:at_name]
+        return body[: body.rfind("{", 0, at_arguments)].replace(SENTINEL_NAME, name)
 
     def transcript(self, prompt: Sequence[dict], messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
         """The ids of a worked conversation, built as an episode builds them (``prompt`` rendered once, each

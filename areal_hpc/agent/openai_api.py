@@ -4,7 +4,8 @@ brought to one form (so that a reply the agent sends back equals the reply it wa
 stream chunks built from a model turn.
 
 Like OpenAI's API, a field it does not know or a value it cannot honour is refused, never ignored: a request
-that asks for logprobs, n > 1 or a forced tool call gets 400 and says so.
+that asks for logprobs or n > 1 gets 400 and says so. A forced tool call (tool_choice required or a named
+function) is served by opening the call for the model (gen.episode's chat).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class Request:
     tools: list[dict] | None = None  # chat
     parse_tools: bool = True  # chat: tool_choice none leaves the model's text as it is
     parallel_tool_calls: bool = True  # chat: false returns a turn's first tool call only
+    force_call: bool = False  # chat: tool_choice required, or a named function (call_name)
+    call_name: str | None = None
     prompt: str | list[int] | None = None  # completions
 
 
@@ -90,18 +93,31 @@ def parse_chat(body: Any, model: str) -> Request:
         if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
             raise bad("tools", 'must be a list of {"type": "function", "function": {"name": ..., ...}}')
         request.tools = tools or None
-    choice = fields.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad(
-            "tool_choice", "only 'auto' and 'none' are served (a forced call needs constrained decoding)"
-        )
-    request.parse_tools = choice != "none"
+    _tool_choice(request, fields.get("tool_choice"))
     request.parallel_tool_calls = fields.get("parallel_tool_calls", True)
     if not isinstance(request.parallel_tool_calls, bool):
         raise bad("parallel_tool_calls", "must be true or false")
     if (limit := fields.get("max_completion_tokens")) is not None:
         request.sampling["max_new_tokens"] = _count("max_completion_tokens", limit)
     return request
+
+
+def _tool_choice(request: Request, choice: Any) -> None:
+    """auto (the default), none, required, or {"type": "function", "function": {"name": one of the tools}}."""
+    names = [t["function"]["name"] for t in request.tools or []]
+    if isinstance(choice, dict):
+        name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or name not in names:
+            raise bad("tool_choice", f'a named choice is {{"type": "function", "function": {{"name": one of the '
+                      f"request's tools {names}}}}}, got {json.dumps(choice)[:200]}")  # fmt: skip
+        request.force_call, request.call_name = True, name
+    elif choice == "required":
+        if not names:
+            raise bad("tool_choice", "'required' needs tools to call")
+        request.force_call = True
+    elif choice not in (None, "auto", "none"):
+        raise bad("tool_choice", "must be 'auto', 'none', 'required' or a named function")
+    request.parse_tools = choice != "none"
 
 
 def parse_completion(body: Any, model: str) -> Request:

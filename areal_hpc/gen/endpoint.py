@@ -5,7 +5,8 @@ Routes (``Authorization: Bearer <the episode's key>`` on each; stdlib ``http.ser
 generation server)::
 
     GET  /v1/models, /v1/models/<id>     the one model served (rollout.agent_model)
-    POST /v1/chat/completions            messages, tools, tool_choice auto|none, temperature, top_p, max_tokens,
+    POST /v1/chat/completions            messages, tools, tool_choice (auto, none, required, a named function),
+                                         parallel_tool_calls, temperature, top_p, max_tokens,
                                          max_completion_tokens, stop, seed, stream (+ stream_options)
     POST /v1/completions                 prompt (a string or token ids) and the same sampling fields
 
@@ -165,7 +166,7 @@ class Endpoint:
         answered = session.tools.answered(request.messages)
         reply = await ctx.chat(
             request.messages, request.tools, sampling, request.stop, request.parse_tools,
-            request.parallel_tool_calls,
+            request.parallel_tool_calls, request.force_call, request.call_name,
         )  # fmt: skip
         session.tools.served(answered, ctx.pending_calls, request.tools)
         turn = ctx.last_turn

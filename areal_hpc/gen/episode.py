@@ -242,20 +242,28 @@ class EpisodeContext:
         stop: Sequence[str] = (),
         parse_tools: bool = True,
         parallel_tool_calls: bool = True,
+        force_call: bool = False,
+        call_name: str | None = None,
     ) -> dict:
         """The assistant's reply to ``messages`` (OpenAI-style dicts; ``tools``: function schemas), its tool calls
         parsed into ``tool_calls`` (``parse_tools`` false: the whole text is the content; ``parallel_tool_calls``
         false: the first call only, the others counted as ``cut_tool_calls``; the sampled ids keep them all).
+        ``force_call``: the turn opens a tool call (of ``call_name`` when given) whatever the model would have
+        done: the template's opening of a call is appended to the context as tokens the model did not sample
+        (never trained, counted as ``forced_turns``), and the model writes the rest.
         When ``messages`` extend the conversation so far (earlier messages and replies, unchanged), only the new
         messages' tokens are appended to the sampled ids. ``sampling`` and ``stop``: as for generate."""
         messages = list(messages)
         renderer, ids = self._render(messages, tools)
-        turn = await self.generate(ids, sampling, stop)
-        self._calls = parse_tool_calls(turn.text) if parse_tools else []
+        opening = renderer.call_opening(call_name) if force_call else ""
+        turn = await self.generate(ids + renderer.encode(opening), sampling, stop)
+        self.counts["forced_turns"] += force_call
+        text = opening + turn.text
+        self._calls = parse_tool_calls(text) if parse_tools else []
         if not parallel_tool_calls and len(self._calls) > 1:
             self.counts["cut_tool_calls"] += len(self._calls) - 1
             self._calls = self._calls[:1]
-        reply: dict = {"role": "assistant", "content": content_of(turn.text) if parse_tools else turn.text}
+        reply: dict = {"role": "assistant", "content": content_of(text) if parse_tools else text}
         if calls := to_openai(self._calls):
             reply["tool_calls"] = calls
         self._chat = (renderer, [*messages, reply])
