@@ -232,6 +232,14 @@ def test_lora_servers_launch_with_sglang_s_own_flags_and_module_names():
     assert "max_lora_rank and self.lora_target_modules" in (SRC / "server_args.py").read_text()
 
 
+def test_response_format_reaches_sglang_as_its_own_sampling_parameter_json_schema():
+    """The endpoint sends a response_format's schema as json_schema, SGLang's grammar of /generate (its chat
+    route maps json_object to '{"type": "object"}' as the endpoint does)."""
+    assert "json_schema" in sampling_param_names()
+    source = (SRC / "entrypoints/openai/protocol.py").read_text()
+    assert """sampling_params["json_schema"] = '{"type": "object"}'""" in source
+
+
 def test_every_sampling_parameter_we_send_is_one_sglang_takes_and_no_seed_is_relied_on():
     recipe = REPO / "configs/qwen3-1.7b-8gpu.yaml"  # SGLang's servers
     sglang_cfg = load_config([recipe])

@@ -284,11 +284,12 @@ class RecordingModel(ScriptedModel):
 
     def __init__(self, tokenizer, texts):
         super().__init__(tokenizer, texts)
-        self.inputs = []
+        self.inputs, self.params = [], []
 
     def generate(self, input_ids, *args, **kwargs):
         (ids,) = input_ids
         self.inputs.append(list(ids))
+        self.params.append(args[0] if args else kwargs.get("sampling_params"))
         return super().generate(input_ids, *args, **kwargs)
 
 
@@ -355,3 +356,43 @@ def test_a_named_tool_choice_must_name_one_of_the_tools(tiny_tokenizer, endpoint
     assert errors[0].startswith("tool_choice: a named choice is") and "['calculator']" in errors[0]
     assert errors[1] == "tool_choice: 'required' needs tools to call"
     assert errors[2] == "tool_choice: must be 'auto', 'none', 'required' or a named function"
+
+
+def test_response_format_asks_the_server_for_its_grammar_and_the_built_in_engine_refuses_by_name(
+    builtin_client, tiny_tokenizer, endpoint
+):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    formats = [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    ]
+    errors = []
+
+    async def structured(base_url, api_key, record):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            messages = [{"role": "user", "content": record.prompt}]
+            for response_format in [*formats, {"type": "xml"}]:
+                try:
+                    await client.chat.completions.create(
+                        model="policy", messages=messages, response_format=response_format, max_tokens=4
+                    )
+                except openai.BadRequestError as exc:
+                    errors.append(exc.body["message"])
+        return 1.0
+
+    # A server with grammars (SGLang) gets the schema as its sampling parameter json_schema; the turns count.
+    svc, model = services(tiny_tokenizer), RecordingModel(tiny_tokenizer, ['{"answer": 1}', '{"answer": 2}'])
+    ctx = EpisodeContext(svc, model, RECORD, PARAMS, 0)
+    asyncio.run(function_agent(structured, endpoint)(ctx, RECORD))
+    assert [p["json_schema"] for p in model.params] == ['{"type": "object"}', json.dumps(schema)]
+    assert ctx.counts["constrained_turns"] == 2
+    assert errors == ['response_format: must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                      '"json_schema", "json_schema": {"name": ..., "schema": {...}}}']  # fmt: skip
+    # The built-in engine has no constrained decoding: a 400 that says so, and the episode goes on.
+    errors.clear()
+    ctx = EpisodeContext(services(tiny_tokenizer), builtin_client, RECORD, PARAMS, 0)
+    asyncio.run(function_agent(structured, endpoint)(ctx, RECORD))
+    assert len(errors) == 3 and all(
+        "sampling_params.json_schema: constrained decoding is not served by the built-in engine" in e
+        for e in errors[:2]
+    )

@@ -45,7 +45,7 @@ COMPLETION_FIELDS = COMMON | {
 }
 # Fields accepted at one value only, the one that changes nothing here.
 NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False,
-           "top_logprobs": 0, "echo": False, "response_format": {"type": "text"}}  # fmt: skip
+           "top_logprobs": 0, "echo": False}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -79,6 +79,7 @@ class Request:
     parallel_tool_calls: bool = True  # chat: false returns a turn's first tool call only
     force_call: bool = False  # chat: tool_choice required, or a named function (call_name)
     call_name: str | None = None
+    json_schema: str | None = None  # chat: response_format's schema, for the server's constrained decoding
     prompt: str | list[int] | None = None  # completions
 
 
@@ -94,6 +95,7 @@ def parse_chat(body: Any, model: str) -> Request:
             raise bad("tools", 'must be a list of {"type": "function", "function": {"name": ..., ...}}')
         request.tools = tools or None
     _tool_choice(request, fields.get("tool_choice"))
+    request.json_schema = _response_format(fields.get("response_format"))
     request.parallel_tool_calls = fields.get("parallel_tool_calls", True)
     if not isinstance(request.parallel_tool_calls, bool):
         raise bad("parallel_tool_calls", "must be true or false")
@@ -118,6 +120,23 @@ def _tool_choice(request: Request, choice: Any) -> None:
     elif choice not in (None, "auto", "none"):
         raise bad("tool_choice", "must be 'auto', 'none', 'required' or a named function")
     request.parse_tools = choice != "none"
+
+
+def _response_format(value: Any) -> str | None:
+    """The JSON schema a response_format asks the answer to follow, as text (SGLang's sampling parameter
+    json_schema; json_object is SGLang's '{"type": "object"}'); None for text."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    schema = (
+        value.get("json_schema", {}).get("schema") if isinstance(value.get("json_schema"), dict) else None
+    )
+    if kind != "json_schema" or not isinstance(schema, dict):
+        raise bad("response_format", 'must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                  '"json_schema", "json_schema": {"name": ..., "schema": {...}}}')  # fmt: skip
+    return json.dumps(schema)
 
 
 def parse_completion(body: Any, model: str) -> Request:

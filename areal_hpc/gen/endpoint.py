@@ -163,6 +163,10 @@ class Endpoint:
     async def chat(self, session: Session, request: api.Request) -> tuple[dict, dict]:
         ctx = session.ctx
         sampling = _bounded(ctx, request.sampling)
+        if (
+            request.json_schema is not None
+        ):  # the server's constrained decoding (SGLang; the built-in has none)
+            sampling["json_schema"] = request.json_schema
         answered = session.tools.answered(request.messages)
         reply = await ctx.chat(
             request.messages, request.tools, sampling, request.stop, request.parse_tools,

@@ -258,6 +258,7 @@ class EpisodeContext:
         opening = renderer.call_opening(call_name) if force_call else ""
         turn = await self.generate(ids + renderer.encode(opening), sampling, stop)
         self.counts["forced_turns"] += force_call
+        self.counts["constrained_turns"] += "json_schema" in (sampling or {})
         text = opening + turn.text
         self._calls = parse_tool_calls(text) if parse_tools else []
         if not parallel_tool_calls and len(self._calls) > 1:

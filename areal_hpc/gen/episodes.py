@@ -62,6 +62,7 @@ PER_EPISODE = (
     "refused_requests",  # an agent's requests the endpoint answered with a 4xx
     "cut_tool_calls",  # calls after a turn's first, not returned under parallel_tool_calls false
     "forced_turns",  # turns made to open a tool call (tool_choice required or a named function)
+    "constrained_turns",  # turns sampled under a grammar (response_format): their logprobs are the grammar's
 )
 EPISODE_COUNTS = (*PER_EPISODE, "tokens", "sampled_tokens")  # what a group's file records of its episodes
 

@@ -25,6 +25,7 @@ class RequestError(ValueError):
 
 # SGLang's sampling parameters that change nothing at these values: accepted so, refused otherwise.
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0}
+CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's grammars; refused by name here
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class SamplingParams:
         if stop not in (None, [], ""):
             raise RequestError(f"{where}.stop", "stop strings are not supported here; use stop_token_ids")
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__) - {"stop"} - set(NEUTRAL))
+        if constrained := [key for key in unknown if key in CONSTRAINED]:
+            raise RequestError(f"{where}.{constrained[0]}", "constrained decoding is not served by the built-in "
+                               "engine (SGLang serves it: allocation_mode sglang.<spec>)")  # fmt: skip
         if unknown:
             raise RequestError(f"{where}.{unknown[0]}", "unsupported sampling parameter")
         for key, neutral in NEUTRAL.items():
