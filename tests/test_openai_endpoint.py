@@ -4,6 +4,8 @@ errors; streaming, completions and the model list work as the SDK expects."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import openai
 import pytest
 
@@ -264,3 +266,36 @@ def test_an_agent_that_blocks_stalls_nothing_but_itself(builtin_client, tiny_tok
     result = run_agent(agent, builtin_client, services(tiny_tokenizer), endpoint, timeout=30)
     assert result.counts["turns"] == 6 and result.counts["breaks"] == 0
     assert [r for r in result.rewards] == [1.0, 1.0]
+
+
+def test_the_responses_api_continues_an_episode_by_its_items_or_by_previous_response_id(
+    builtin_client, tiny_tokenizer, endpoint
+):
+    """Two episodes with the SDK's responses.create: one sends back the output items it got, the other names
+    the previous response; both continue their one sample, and fields it cannot honour get 400s by name."""
+    errors = []
+
+    async def agent(base_url, api_key, record):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            first = await client.responses.create(model="policy", input=record.prompt, max_output_tokens=8)
+            more = [{"role": "user", "content": "And then?"}]
+            if record.prompt.endswith("?"):  # episode 0: the items, sent back
+                items = [{"role": "user", "content": record.prompt}, *[o.model_dump() for o in first.output]]
+                await client.responses.create(model="policy", input=items + more, max_output_tokens=8)
+            else:
+                await client.responses.create(
+                    model="policy", input=more, previous_response_id=first.id, max_output_tokens=8
+                )
+            for bad in ({"stream": True}, {"reasoning": {"effort": "high"}}, {"previous_response_id": "resp_x"}):
+                try:
+                    await client.responses.create(model="policy", input="Hi", **bad)
+                except openai.BadRequestError as exc:
+                    errors.append(exc.body["message"].split(":")[0])
+        return 1.0
+
+    for prompt in ("What is 47 * 38?", "What is 47 * 38"):
+        record = dataclasses.replace(RECORD, prompt=prompt)
+        result = run_group(services(tiny_tokenizer), function_agent(agent, endpoint), builtin_client, record,
+                           PARAMS, 1, 60)  # fmt: skip
+        assert (result.counts["turns"], result.counts["breaks"]) == (2, 0)
+    assert errors == ["stream", "reasoning", "previous_response_id"] * 2

@@ -40,7 +40,7 @@ class ToolCall:
     name: str | None
     arguments: dict
     error: str | None  # why the call is malformed; None when well formed
-    id: str  # "call_0", "call_1", ... by position in the turn
+    id: str  # "call_0", "call_1", ... by position in the turn (an episode numbers them through its turns)
 
 
 @dataclass(frozen=True)

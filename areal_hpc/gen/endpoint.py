@@ -9,6 +9,8 @@ generation server)::
                                          parallel_tool_calls, temperature, top_p, max_tokens,
                                          max_completion_tokens, stop, seed, stream (+ stream_options)
     POST /v1/completions                 prompt (a string or token ids) and the same sampling fields
+    POST /v1/responses                   the Responses API as a chat turn (agent.responses_api): input items,
+                                         instructions, function tools, previous_response_id of the episode
 
 Each episode gets a key of its own for as long as it runs (``open``/``close``); the run's secret never leaves
 the role. A call is served token in, token out through the episode's context (gen.episode): a chat whose
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from areal_hpc.agent import ToolUse, bounds
+from areal_hpc.agent import ToolUse, bounds, responses_api
 from areal_hpc.agent import openai_api as api
 from areal_hpc.gen.client import GenServerError
 from areal_hpc.gen.episode import EpisodeCancelled, EpisodeContext, InvalidRequest
@@ -54,6 +56,7 @@ logger = logging.getLogger("rollout")
 MAX_BODY_BYTES = 64 * 2**20  # whatever the context
 # JSON may spell one byte of text in six ("\u001f"): a body's bound is this many times its text's, plus room
 JSON_BYTES_PER_TEXT_BYTE, BODY_ROOM = 6, 2**20
+RESPONSES_KEPT = 8  # an episode's latest responses that previous_response_id may name
 MAX_CONNECTIONS = 4096  # a thread each; every episode in flight holds one or two
 READ_SECS = 30.0  # a connection idle this long, or this long sending one request, is closed
 WRITE_SECS = 60.0  # a client that does not take its answer
@@ -71,6 +74,7 @@ class Session:
     loop: asyncio.AbstractEventLoop
     lock: threading.Lock = field(default_factory=threading.Lock)
     completion: tuple[str, list[int]] | None = None  # the last completion's prompt + text and their ids
+    responses: dict[str, list[dict]] = field(default_factory=dict)  # /v1/responses: id -> its conversation
     tools: ToolUse = field(init=False)
 
     def __post_init__(self):
@@ -389,6 +393,17 @@ class _Handler(BaseHTTPRequestHandler):
                 use = out["usage"] if request.include_usage else None
                 return self._stream(api.chat_chunks(reply, out["finish"], use, model, rid, created))
             return self._json(200, api.chat_response(reply, out["finish"], out["usage"], model, rid, created))
+        if self.path == "/v1/responses":
+            request, instructions = responses_api.parse_responses(body, model, session.responses)
+            fits(session, request)
+            reply, out = endpoint.call(session, lambda: endpoint.chat(session, request))
+            rid = f"resp_{rid.removeprefix('chatcmpl-')}"
+            session.responses[rid] = [*request.messages[instructions:], reply]
+            for old in list(session.responses)[:-RESPONSES_KEPT]:
+                del session.responses[old]
+            return self._json(
+                200, responses_api.response(reply, out["finish"], out["usage"], model, rid, created, body)
+            )
         if self.path == "/v1/completions":
             request = api.parse_completion(body, model)
             fits(session, request)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import uuid
@@ -122,6 +123,9 @@ class EpisodeContext:
         # The conversation the trajectory holds (its messages and replies) and the renderer that rendered it.
         self._chat: tuple[ChatRenderer, list[dict]] | None = None
         self._calls: list = []  # the tool calls of the last reply
+        self._n_calls = (
+            0  # the model's calls so far: each gets an id of its own in the episode, as OpenAI's do
+        )
         # Why a call of the episode's agent failed when the agent is not to blame (set by gen.endpoint).
         self.failure: Exception | None = None
         self.transcript = Transcript() if services.transcripts else None  # its turns as the caller saw them
@@ -260,7 +264,10 @@ class EpisodeContext:
         self.counts["forced_turns"] += force_call
         self.counts["constrained_turns"] += "json_schema" in (sampling or {})
         text = opening + turn.text
-        self._calls = parse_tool_calls(text) if parse_tools else []
+        calls = parse_tool_calls(text) if parse_tools else []
+        # ids unique in the episode (frameworks tell calls apart by id: the Agents SDK drops a repeated one)
+        self._calls = [dataclasses.replace(c, id=f"call_{self._n_calls + i}") for i, c in enumerate(calls)]
+        self._n_calls += len(calls)
         if not parallel_tool_calls and len(self._calls) > 1:
             self.counts["cut_tool_calls"] += len(self._calls) - 1
             self._calls = self._calls[:1]
