@@ -286,7 +286,11 @@ def test_the_responses_api_continues_an_episode_by_its_items_or_by_previous_resp
                 await client.responses.create(
                     model="policy", input=more, previous_response_id=first.id, max_output_tokens=8
                 )
-            for bad in ({"stream": True}, {"reasoning": {"effort": "high"}}, {"previous_response_id": "resp_x"}):
+            for bad in (
+                {"stream": True},
+                {"reasoning": {"effort": "high"}},
+                {"previous_response_id": "resp_x"},
+            ):
                 try:
                     await client.responses.create(model="policy", input="Hi", **bad)
                 except openai.BadRequestError as exc:
