@@ -123,9 +123,8 @@ class EpisodeContext:
         # The conversation the trajectory holds (its messages and replies) and the renderer that rendered it.
         self._chat: tuple[ChatRenderer, list[dict]] | None = None
         self._calls: list = []  # the tool calls of the last reply
-        self._n_calls = (
-            0  # the model's calls so far: each gets an id of its own in the episode, as OpenAI's do
-        )
+        # The model's calls so far: each gets an id of its own in the episode, as OpenAI's do.
+        self._n_calls = 0
         # Why a call of the episode's agent failed when the agent is not to blame (set by gen.endpoint).
         self.failure: Exception | None = None
         self.transcript = Transcript() if services.transcripts else None  # its turns as the caller saw them
