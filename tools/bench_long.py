@@ -8,6 +8,7 @@ causal attention's 6 h L s^2, over the H200's dense bf16 peak), and the peak GPU
 not depend on L; it is timed once per shape, at the first length.
 
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
+    python tools/bench_long.py --device cpu --shapes cpu --lengths 256,512   # a self-check of this script
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ def no_update() -> bool:  # train_minibatch's skip: forward and backward, no opt
 
 
 def timed(fn, *args, **kwargs) -> float:
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     fn(*args, **kwargs)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
 
 
-def longest(shape: str, lengths: list[int], root: Path) -> list[dict]:
+def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dict]:
     model = root / shape
-    n_params = build_model(shape, model, "cuda")
+    n_params = build_model(shape, model, device)
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = max(lengths)  # random weights: the rotary table only needs the room
     (model / "config.json").write_text(json.dumps(config))
@@ -63,7 +65,8 @@ def longest(shape: str, lengths: list[int], root: Path) -> list[dict]:
     rows = []
     for i, length in enumerate(lengths):
         mbs = [one_sequence(length)]
-        torch.cuda.reset_peak_memory_stats()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         row = {"shape": shape, "tokens": length, "offload": offload}
         try:
             if i == 0:  # compiles the norms and MLPs, then the optimizer step, alone
@@ -76,7 +79,7 @@ def longest(shape: str, lengths: list[int], root: Path) -> list[dict]:
             break
         flops = model_flops(n_params, shape, np.array([length]))
         row.update(forward_backward_s=round(secs, 2), mfu=round(flops / secs / PEAK_FLOPS, 4),
-                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))  # fmt: skip
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0, 1))  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -87,14 +90,15 @@ def main() -> int:
     parser.add_argument("--shapes", default="1.5b,3b,7b")
     parser.add_argument("--lengths", default="16384,32768,65536,131072")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-long-") as root:
         for shape in args.shapes.split(","):
-            rows += longest(shape, lengths, Path(root))
+            rows += longest(shape, lengths, Path(root), args.device)
             gc.collect()  # the shape's engine, before the next is built
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache() if args.device == "cuda" else None
     for shape in args.shapes.split(","):
         fit = [r for r in rows if r["shape"] == shape and "mfu" in r]
         best = fit[-1] if fit else None
