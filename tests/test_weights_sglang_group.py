@@ -7,6 +7,7 @@ uint8 buffer cut in order."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import threading
 from datetime import timedelta
@@ -51,6 +52,9 @@ def sglang_tp_rank(
             received[name] = flat[offset : offset + n].view(t.dtype).reshape(t.shape).clone()
             offset += n
     torch.save(received, out)
+    # Leave without the interpreter's shutdown: the gloo group (kept in c10d's maps) would be freed while it
+    # dies, and a worker thread ended there aborts the process now and then (train.dist.destroy says why).
+    os._exit(0)
 
 
 def test_the_trainer_side_meets_a_receiver_written_from_sglang_description(tmp_path):
