@@ -18,7 +18,7 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI
 
-from areal_hpc.agent.toy_agent import calculate
+from areal_hpc.agent.toy_agent import CALCULATOR, calculate
 
 set_tracing_disabled(True)  # the SDK would export its traces to OpenAI's servers
 
@@ -52,8 +52,8 @@ async def agents_sdk_forced(base_url, api_key, record):
 async def langchain_any_tool(base_url, api_key, record):
     """LangChain's ChatOpenAI, a tool call required of the first turn, one call at a time; three turns."""
     llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0, max_tokens=256)
-    forced = llm.bind_tools([calculator_schema()], tool_choice="any", parallel_tool_calls=False)
-    free = llm.bind_tools([calculator_schema()], parallel_tool_calls=False)
+    forced = llm.bind_tools([CALCULATOR], tool_choice="any", parallel_tool_calls=False)
+    free = llm.bind_tools([CALCULATOR], parallel_tool_calls=False)
     messages = [HumanMessage(record.prompt)]
     for turn in range(3):
         reply = await (forced if turn == 0 else free).ainvoke(messages)
@@ -65,9 +65,3 @@ async def langchain_any_tool(base_url, api_key, record):
         if turn < 2 and not reply.tool_calls:
             messages.append(HumanMessage("Go on."))
     return float("1786" in str(reply.content))
-
-
-def calculator_schema() -> dict:
-    from areal_hpc.agent.toy_agent import CALCULATOR
-
-    return CALCULATOR
