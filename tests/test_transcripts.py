@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from areal_hpc.agent import tool_stats
+from areal_hpc.agent.trajectory import NOT_SAMPLED
 from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.control import RunDir
@@ -331,6 +332,7 @@ def test_a_forced_tool_choice_opens_the_call_for_the_model_and_trains_only_what_
     (traj,) = ctx.trajectories
     (turn,) = traj.turns
     assert traj.ids[turn.start - len(forced_ids) : turn.start] == forced_ids
+    assert set(traj.versions[turn.start - len(forced_ids) : turn.start]) == {NOT_SAMPLED}  # loss mask 0
     assert tiny_tokenizer.decode(traj.ids[turn.start : turn.end], skip_special_tokens=True) == written
     assert ctx.counts["forced_turns"] == 1
 
