@@ -84,7 +84,7 @@ class Request:
 
 
 def parse_chat(body: Any, model: str) -> Request:
-    fields = _check(body, CHAT_FIELDS, model)
+    fields = check_fields(body, CHAT_FIELDS, model)
     request = _common(fields)
     messages = fields.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -140,7 +140,7 @@ def _response_format(value: Any) -> str | None:
 
 
 def parse_completion(body: Any, model: str) -> Request:
-    fields = _check(body, COMPLETION_FIELDS, model)
+    fields = check_fields(body, COMPLETION_FIELDS, model)
     request = _common(fields)
     prompt = fields.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -152,7 +152,9 @@ def parse_completion(body: Any, model: str) -> Request:
     return request
 
 
-def _check(body: Any, known: set[str], model: str) -> dict:
+def check_fields(body: Any, known: set[str], model: str, neutral: dict = NEUTRAL) -> dict:
+    """The body's set fields (null is unset), once each is ``known``, the model is the one served and each
+    field of ``neutral`` has the one value accepted."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     fields = {k: v for k, v in body.items() if v is not None}  # null means unset, as in OpenAI's API
@@ -165,9 +167,9 @@ def _check(body: Any, known: set[str], model: str) -> dict:
     if fields["model"] != model:
         raise ApiError(404, f"The model '{fields['model']}' does not exist; this endpoint serves '{model}'",
                        "model", "model_not_found")  # fmt: skip
-    for name, neutral in NEUTRAL.items():
-        if name in fields and fields[name] != neutral:
-            raise bad(name, f"not served here; only {json.dumps(neutral)} is accepted")
+    for name, value in neutral.items():
+        if name in fields and fields[name] != value:
+            raise bad(name, f"not served here; only {json.dumps(value)} is accepted")
     return fields
 
 

@@ -13,7 +13,6 @@ is refused with 400 naming the field, as everywhere in the endpoint.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from areal_hpc.agent import openai_api as api
@@ -21,7 +20,7 @@ from areal_hpc.agent.openai_api import bad
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
           "max_output_tokens", "stream", "include", "store", "metadata", "user", "previous_response_id", "text",
-          "truncation", "reasoning", "background", "top_logprobs", "prompt_cache_key", "safety_identifier"}  # fmt: skip
+          "truncation", "reasoning", "background", "top_logprobs"}  # fmt: skip
 # Fields accepted at one value only, the one that changes nothing here.
 NEUTRAL = {"stream": False, "background": False, "include": [], "truncation": "disabled", "top_logprobs": 0}
 
@@ -29,16 +28,7 @@ NEUTRAL = {"stream": False, "background": False, "include": [], "truncation": "d
 def parse_responses(body: Any, model: str, earlier: dict[str, list[dict]]) -> tuple[api.Request, int]:
     """The chat request a Responses request asks for, and how many of its messages are the instructions (not
     carried to a later response); ``earlier``: the conversations of this episode's responses by id."""
-    if not isinstance(body, dict):
-        raise api.ApiError(400, "the request body must be a JSON object")
-    fields = {k: v for k, v in body.items() if v is not None}
-    if unknown := sorted(set(fields) - FIELDS):
-        raise api.ApiError(
-            400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter"
-        )
-    for name, neutral in NEUTRAL.items():
-        if name in fields and fields[name] != neutral:
-            raise bad(name, f"not served here; only {json.dumps(neutral)} is accepted")
+    fields = api.check_fields(body, FIELDS, model, NEUTRAL)
     if fields.get("reasoning") not in (None, {}):
         raise bad("reasoning", "not served here (the model reasons as its chat template lets it)")
     before = []
@@ -51,7 +41,7 @@ def parse_responses(body: Any, model: str, earlier: dict[str, list[dict]]) -> tu
         raise bad("instructions", "must be a string")
     system = [{"role": "system", "content": instructions}] if instructions else []
     chat = {
-        "model": fields.get("model"),
+        "model": fields["model"],
         "messages": [*system, *before, *_messages(fields.get("input"))],
         **{k: fields[k] for k in ("temperature", "top_p", "parallel_tool_calls") if k in fields},
     }
@@ -125,8 +115,8 @@ def _tool_choice(choice: Any) -> Any:
 
 def _format(text: Any) -> dict:
     fmt = text.get("format", {"type": "text"}) if isinstance(text, dict) else None
-    if not isinstance(fmt, dict):
-        raise bad("text", 'must be {"format": {"type": "text" | "json_object" | "json_schema", ...}}')
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("text.format", 'must be {"type": "text" | "json_object" | "json_schema", ...}')
     if fmt.get("type") == "json_schema":
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
     return fmt

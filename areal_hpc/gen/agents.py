@@ -3,8 +3,9 @@ and runs the user's agent against it, a Python function (rollout.agent) or a pro
 
 A function is `async def agent(base_url, api_key, record) -> reward` (or a plain `def`); ``record`` is the
 prompt's dataset record (data.PromptSample). It runs in a thread of its own, an async one in an event loop of
-that thread, so that a blocking call in it holds up its own episode only. A program gets OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL in its environment and the
-record as one JSON object on its stdin; its reward is the last line of its stdout, a number, read when it exits.
+that thread, so that a blocking call in it holds up its own episode only. A program gets OPENAI_BASE_URL,
+OPENAI_API_KEY and OPENAI_MODEL in its environment and the record as one JSON object on its stdin; its reward
+is the last line of its stdout, a number, read when it exits.
 The program's stdout and stderr are kept per episode, each cut at rollout.agent_output_bytes, in logs/agents/ (a
 file per group, named by control.fsio.name_of of the prompt's id).
 
@@ -75,7 +76,8 @@ async def in_own_thread(fn: Callable, *args) -> object:
     serves the episode's calls to the endpoint and generates the other episodes of the group. Cancelling the
     await cancels an async agent where it waits; a blocking call returns when the endpoint, which closes the
     episode's key at its end, answers it."""
-    loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
     inner: dict = {}  # the agent's loop and task, once they exist
 
     def settle(outcome: str, value) -> None:
