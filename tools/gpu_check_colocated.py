@@ -79,7 +79,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=4, help="answers per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--weight-update-mode", default="tensor", choices=("tensor", "disk"))
+    parser.add_argument("--weight-update-mode", default="tensor", choices=("tensor", "disk", "adapter"))
     parser.add_argument(
         "--mem-fraction", type=float, default=None, help="sglang.mem_fraction_static: the server's share"
     )
@@ -94,10 +94,11 @@ def main() -> int:
         help="a config override more (e.g. actor_train.mb_spec.max_tokens_per_mb=30720); repeatable",
     )  # fmt: skip
     parser.add_argument("--json", help="write the steps' times to this file")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script (--shape cpu), no memory check")
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-colocated-") as root:
         model = Path(root) / "model"
-        n_params = build_model(ns.shape, model, "cuda")
+        n_params = build_model(ns.shape, model, ns.device)
         for name in ("tokenizer.json", "tokenizer_config.json"):  # the toy's prompts; its ids are in range
             shutil.copy(TINY / "model" / name, model / name)
         if ns.eos_ids:
@@ -110,7 +111,7 @@ def main() -> int:
                 f"cluster.fileroot={root}", "trial_name=colocated", f"actor.path={model}",
                 f"dataset.path={TINY / 'data/easy/train.jsonl'}", f"dataset.valid_path={TINY / 'data/easy/test.jsonl'}",
                 "allocation_mode=d1p1m1", f"weight_update_mode={ns.weight_update_mode}", "cluster.n_nodes=1", "cluster.n_gpus_per_node=1",
-                "actor.dtype=bfloat16", f"dataset.train_bs_n_seqs={ns.prompts}", f"group_size={ns.group_size}",
+                f"actor.dtype={'bfloat16' if ns.device == 'cuda' else 'float32'}", f"dataset.train_bs_n_seqs={ns.prompts}", f"group_size={ns.group_size}",
                 f"ppo.gen.max_new_tokens={ns.max_new_tokens}", f"max_running_requests={max(ns.prompts * ns.group_size, 64)}",
                 f"exp_ctrl.benchmark_steps={ns.steps}", "logging.tensorboard=false", "logging.progress=false",
             ]
@@ -120,11 +121,12 @@ def main() -> int:
         samples: dict[int, list[int]] = defaultdict(list)
         stop = threading.Event()
         sampler = threading.Thread(target=sample, args=(samples, stop), daemon=True)
-        sampler.start()
+        if ns.device == "cuda":
+            sampler.start()
         start = time.monotonic()
         code = run_local(cfg)
         stop.set()
-        sampler.join()
+        sampler.join() if sampler.is_alive() else None
         run = run_dir_of(cfg)
         print(
             f"{ns.shape} ({n_params / 1e9:.2f} B parameters): run exit code {code} in {time.monotonic() - start:.0f} s"
@@ -140,8 +142,8 @@ def main() -> int:
             print(f"pid {pid} ({roles.get(pid, 'gen_server0: the server')}): peak {max(mib)} MiB")
         others = {pid: mib for pid, mib in samples.items() if pid not in (trainer, os.getpid())}
         server = max(others, key=lambda pid: max(others[pid]), default=None)
-        ok = server is not None
-        if ok:
+        ok = server is not None or ns.device != "cuda"
+        if server is not None:
             mib = others[server]
             held = max(mib)
             first = next(i for i, m in enumerate(mib) if m >= 0.9 * held)  # once it took its cache
