@@ -102,7 +102,9 @@ def main() -> int:
         stats["weights_bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         stats["bytes_ratio"] = round(stats["weights_bytes"] / stats["adapter_bytes"], 1)
         engine = Engine(str(model), device=args.device, seed=0, max_batch_size=max(args.rows, 8),
-                        max_lora_rank=args.rank, lora_targets=LINEAR).start()  # fmt: skip
+                        max_lora_rank=args.rank, lora_targets=LINEAR,
+                        # half the GPU: room for transformers' reference copy, whatever the stopped engine keeps
+                        mem_fraction_static=0.5).start()  # fmt: skip
         gen = torch.Generator().manual_seed(1)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         prompts = [

@@ -17,8 +17,11 @@ export AREAL_HPC_TINY=$PWD/.cache/tiny
 OUT=${OUT:-/tmp/out}
 BASE=.cache/baseline-46
 WORK="--steps ${STEPS:-3} --group-size 8 --max-new-tokens 1024 --mem-fraction 0.5"
-# The 1-GPU colocated recipe's micro-batches (configs/qwen3-1.7b-8gpu.yaml), not the CPU toy's 4,096 tokens.
-MB="--set actor_train.mb_spec.max_tokens_per_mb=30720 --set actor_inf.mb_spec.max_tokens_per_mb=30720"
+# The 1-GPU colocated recipe's micro-batches (configs/qwen3-1.7b-8gpu.yaml), not the CPU toy's 4,096 tokens; an
+# H100 (80 GB) holds the 1.5B trainer's activations of bench_train's 16,384 tokens, not 30,720.
+GIB=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) / 1024 ))
+TOKENS=$([ "$GIB" -ge 100 ] && echo 30720 || echo 16384)
+MB="--set actor_train.mb_spec.max_tokens_per_mb=$TOKENS --set actor_inf.mb_spec.max_tokens_per_mb=$TOKENS"
 status=0
 check() {  # label, code dir, args...
   local label=$1 code=$2; shift 2
@@ -48,7 +51,10 @@ lora7b() {
     --weight-update-mode adapter --set actor.gradient_checkpointing=true
 }
 # Issue 48: the longest sequence each shape trains at c = 1, and its MFU.
-long() { PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --out $OUT/long.jsonl; }
+long() {
+  PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --shapes ${LONG_SHAPES:-1.5b,3b,7b} \
+    --lengths ${LONG_LENGTHS:-16384,32768,65536,131072} --out $OUT/long.jsonl
+}
 nvidia-smi -L
 for part in "$@"; do
   echo "=== $part"
