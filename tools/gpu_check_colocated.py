@@ -94,7 +94,9 @@ def main() -> int:
         help="a config override more (e.g. actor_train.mb_spec.max_tokens_per_mb=30720); repeatable",
     )  # fmt: skip
     parser.add_argument("--json", help="write the steps' times to this file")
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script (--shape cpu), no memory check")
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a dry run of this script (--shape cpu), no memory check"
+    )
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-colocated-") as root:
         model = Path(root) / "model"
