@@ -13,8 +13,9 @@ Each workload runs eta = 0 (the baseline, equal to synchronous PPO), then eta = 
 on and off. Prints wall time, time inside the training loop (the sum of step times; start-up is the same for
 every variant) and the loop's speed-up against the baseline measured in the same run.
 
-    python tools/bench_async.py [--steps 60] [--seeds 3] [--parallel] [--tail-steps 12] [--only toy|long-tail]
-                                [--set KEY=VALUE ...] [--variants eta0,eta4,eta4-noint]
+    python tools/bench_async.py [--steps 60] [--seeds 3] [--parallel] [--tail-steps 12] [--tail-seeds 1]
+                                [--shape 1.5b] [--only toy|long-tail] [--set KEY=VALUE ...]
+                                [--variants eta0,eta4,eta4-noint]
 
 Exits non-zero when eta = 4 with interruption is less than 2x faster than eta = 0 on the long-tail workload
 (loop time; checked with two GPUs, where generation and training each have a device), or when its final toy
@@ -30,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,16 +118,33 @@ def warm_up(root: Path) -> Path:
     )[-1]
 
 
-def workload(name: str, root: Path, steps: int) -> list[str]:
+def shaped_model(shape: str, root: Path) -> Path:
+    """A random-weight model of a real shape (tools/bench_train.py's) with the toy's tokenizer, whose answers
+    end as the tiny model's do: one id in 64, spread over its vocabulary, ends one (its generation_config)."""
+    from tools.bench_train import build_model
+
+    model = root / f"model-{shape}"
+    build_model(shape, model, "cuda" if own_devices() else "cpu")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((TINY / "model" / name).read_bytes())
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(100, vocab, 64))}))
+    return model
+
+
+def workload(name: str, root: Path, steps: int, shape: str | None = None) -> list[str]:
     common = [f"cluster.fileroot={root}", "async_rl=true", f"exp_ctrl.benchmark_steps={steps}"]
     common += ["cluster.n_nodes=1", "cluster.n_gpus_per_node=2"]
     if name == "toy":
         epochs = -(-steps // STEPS_PER_EPOCH)  # the LR decays to 0 within the benchmarked steps
         return [*common, f"actor.path={warm_up(root)}", f"exp_ctrl.total_train_epochs={epochs}",
                 f"actor.optimizer.lr={TOY_LR}"]  # fmt: skip
-    stop = list(range(100, 116))  # 16 of 1024 tokens end an answer: geometric lengths, mean ~64
+    if shape:
+        model = [f"actor.path={shaped_model(shape, root)}", "actor.dtype=bfloat16" if own_devices() else ""]
+    else:  # 16 of the tiny model's 1024 tokens end an answer: geometric lengths, mean ~64
+        model = [f"actor.path={TINY / 'model'}", f"ppo.gen.stop_token_ids={list(range(100, 116))}"]
     return [
-        *common, f"actor.path={TINY / 'model'}", f"ppo.gen.stop_token_ids={stop}", "ppo.gen.max_new_tokens=512",
+        *common, *filter(None, model), "ppo.gen.max_new_tokens=512",
         "dataset.valid_path=null",
         "dataset.train_bs_n_seqs=16", "group_size=4", "ppo.ppo_n_minibatches=1",
         # The default (one batch in flight) caps what eta = 4 may run ahead; eta = 0 is bounded by staleness.
@@ -156,21 +174,17 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f}{sd}"
 
 
-def bench(
-    name: str, root: Path, steps: int, seeds: int, parallel: bool, overrides: list[str], variants: list
-) -> list[Result]:
-    base = [*workload(name, root, steps), *overrides]
+def bench(name: str, base: list[str], seeds: int, parallel: bool, variants: list) -> list[Result]:
+    """Each variant of ``variants`` over ``seeds`` seeds of the workload ``base`` (its overrides)."""
     results = []
     for label, trial, extra in variants:
-
-        def one(seed: int, trial=trial, extra=extra) -> tuple[float, Path]:
-            return run(
-                ["configs/toy-cpu.yaml"],
-                [*base, f"trial_name={name}-{trial}-s{seed}", f"seed={seed}", *extra],
-            )
-
-        with ThreadPoolExecutor(seeds if parallel else 1) as pool:
-            runs = list(pool.map(one, range(1, seeds + 1)))
+        seed_overrides = [
+            [*base, f"trial_name={name}-{trial}-s{seed}", f"seed={seed}", *extra]
+            for seed in range(1, seeds + 1)
+        ]
+        # Processes, not threads: run_local takes the stop signals, which only a main thread can.
+        with ProcessPoolExecutor(seeds if parallel else 1) as pool:
+            runs = list(pool.map(run, [["configs/toy-cpu.yaml"]] * seeds, seed_overrides))
         walls = [wall for wall, _ in runs]
         loops = [loop_secs(r) for _, r in runs]
         rewards = [final_reward(r) for _, r in runs]
@@ -205,6 +219,8 @@ def main() -> int:
     )
     parser.add_argument("--parallel", action="store_true", help="run a variant's seeds at once (many cores)")
     parser.add_argument("--tail-steps", type=int, default=12, help="steps of the long-tail workload")
+    parser.add_argument("--tail-seeds", type=int, default=1, help="seeds of the long-tail workload")
+    parser.add_argument("--shape", help="the long-tail workload on a random model of this shape (e.g. 1.5b)")
     parser.add_argument("--only", choices=("toy", "long-tail"))
     parser.add_argument(
         "--variants", default=",".join(t for _, t, _ in VARIANTS), help="trial names of the variants to run"
@@ -220,9 +236,10 @@ def main() -> int:
         parser.error("--seeds must be 2 or more: the toy's noise is their spread")
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-async-") as root:
-        for name, steps, seeds in (("toy", ns.steps, ns.seeds), ("long-tail", ns.tail_steps, 1)):
+        for name, steps, seeds in (("toy", ns.steps, ns.seeds), ("long-tail", ns.tail_steps, ns.tail_seeds)):
             if ns.only in (None, name):
-                results[name] = bench(name, Path(root), steps, seeds, ns.parallel, ns.set, variants)
+                base = [*workload(name, Path(root), steps, ns.shape), *ns.set]
+                results[name] = bench(name, base, seeds, ns.parallel, variants)
     print(f"\n{'workload':10} {'variant':24} {'wall':>8} {'loop':>8} {'loop speed-up':>14} "
           f"{'train reward (last 5)':>22} {'held-out accuracy':>18}")  # fmt: skip
     for name, rows in results.items():
