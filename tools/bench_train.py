@@ -51,7 +51,10 @@ SHAPES = {  # Qwen2.5 configs: hidden, intermediate, layers, heads, kv heads, ti
     "cpu": (256, 704, 4, 4, 2, True),  # the CPU's small shape
 }
 # Qwen3-MoE configs: hidden, attention heads, kv heads, head dim, experts, top k, expert intermediate size
-MOE_SHAPES = {"30b-a3b": (2048, 32, 4, 128, 128, 8, 768)}
+MOE_SHAPES = {
+    "30b-a3b": (2048, 32, 4, 128, 128, 8, 768),
+    "cpu-moe": (256, 4, 2, 64, 8, 2, 128),  # the CPU's small shape (tools/gpu_check_sharded.py's dry run)
+}
 MAX_TOKENS_PER_MB = 16384
 
 
