@@ -5,8 +5,11 @@ its generated tokens per second of the whole step. tests/test_gpu.py runs it sma
 covers the same turns on the CPU.
 
     python tools/gpu_check_colocated.py [--steps 3] [--shape 0.5b] [--prompts 16] [--group-size 4]
-        [--max-new-tokens 256] [--mem-fraction 0.5] [--weight-update-mode tensor] [--set KEY=VALUE ...]
-        [--json FILE]
+        [--max-new-tokens 256] [--mem-fraction 0.5] [--weight-update-mode tensor] [--gpus 1]
+        [--set KEY=VALUE ...] [--json FILE] [--device cuda]
+
+``--gpus N`` runs the colocated layout dN (a server and a trainer rank on each GPU), where tensor mode shares each
+server the weights of the rank on its own GPU; ``--device cpu --shape cpu`` is a dry run of this script.
 
 Issue 32's workload (a GRPO step of 16 prompts x 8 answers of 1,024 tokens, the 1.5B shape)::
 
@@ -79,6 +82,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=4, help="answers per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="allocation dN: a server and a trainer rank per GPU"
+    )
     parser.add_argument("--weight-update-mode", default="tensor", choices=("tensor", "disk", "adapter"))
     parser.add_argument(
         "--mem-fraction", type=float, default=None, help="sglang.mem_fraction_static: the server's share"
@@ -112,7 +118,8 @@ def main() -> int:
             [
                 f"cluster.fileroot={root}", "trial_name=colocated", f"actor.path={model}",
                 f"dataset.path={TINY / 'data/easy/train.jsonl'}", f"dataset.valid_path={TINY / 'data/easy/test.jsonl'}",
-                "allocation_mode=d1p1m1", f"weight_update_mode={ns.weight_update_mode}", "cluster.n_nodes=1", "cluster.n_gpus_per_node=1",
+                f"allocation_mode=d{ns.gpus}p1m1", f"weight_update_mode={ns.weight_update_mode}", "cluster.n_nodes=1",
+                f"cluster.n_gpus_per_node={ns.gpus}",
                 f"actor.dtype={'bfloat16' if ns.device == 'cuda' else 'float32'}", f"dataset.train_bs_n_seqs={ns.prompts}", f"group_size={ns.group_size}",
                 f"ppo.gen.max_new_tokens={ns.max_new_tokens}", f"max_running_requests={max(ns.prompts * ns.group_size, 64)}",
                 f"exp_ctrl.benchmark_steps={ns.steps}", "logging.tensorboard=false", "logging.progress=false",
