@@ -1,5 +1,6 @@
 """On a GPU (`make test-gpu`, marked gpu: `make test` leaves them out): the built-in engine's CUDA path, the
-colocated weight update through CUDA IPC, and a colocated GRPO run. The CPU suite covers the same logic."""
+colocated weight update through CUDA IPC, a colocated GRPO run and the offloaded optimizer. The CPU suite
+covers the same logic."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from areal_hpc.config import MicroBatchSpec
 from areal_hpc.gen.client import GenClient
+from areal_hpc.train.backends.fsdp.engine import FSDPEngine
+from areal_hpc.train.microbatch import micro_batches
 from areal_hpc.weights.shared import SharedWeights
+from tests.test_fsdp_engine import model_config, nll, packed, weights
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -89,3 +94,19 @@ def test_a_server_copies_weights_a_process_shares_from_its_gpu(tiny_model_dir, t
 def test_a_colocated_run_shares_the_gpu_and_its_weights():
     done = tool("tools/gpu_check_colocated.py", "--steps", "2", "--shape", "0.5b")
     assert done.returncode == 0 and "colocated check: OK" in done.stdout, done.stdout + done.stderr
+
+
+def test_offloaded_adam_state_steps_as_on_the_gpu(tiny_model_dir):
+    """optimizer.offload on CUDA (page-locked CPU state, copies queued on the compute stream): three steps give
+    the losses and weights of the state kept on the GPU."""
+    mbs = micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=16))
+    results = []
+    for offload in (False, True):
+        engine = FSDPEngine(model_config(tiny_model_dir, offload=offload), total_train_steps=10)
+        assert engine.device.type == "cuda"
+        losses = [engine.train_minibatch(mbs, nll)["loss"] for _ in range(3)]
+        results.append((losses, weights(engine)))
+    (losses, on_gpu), (offloaded_losses, offloaded) = results
+    assert offloaded_losses == pytest.approx(losses, abs=1e-6)
+    for name, tensor in on_gpu.items():
+        torch.testing.assert_close(offloaded[name], tensor, atol=1e-6, rtol=0)

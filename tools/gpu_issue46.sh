@@ -9,6 +9,7 @@
 #   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
+#   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
 #   tools/gpu_issue46.sh long        # issue 48: tools/bench_long.py, the longest sequence per shape at c = 1
 set -o pipefail
@@ -42,6 +43,10 @@ profile() {
   check profile . --shape 1.5b $MB --set logging.profile_step=2
 }
 3b() { check 3b . --shape 3b $MB; }
+offload() {  # the page-locked, queued copies of the Adam state against one pageable copy at a time
+  PYTHONPATH=/tmp/site:$PWD/$BASE python3 $BASE/tools/bench_train.py --device cuda --shapes "" --offload-7b
+  python3 tools/bench_train.py --device cuda --shapes "" --offload-7b
+}
 7b() { check 7b . --shape 7b $MB --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true; }
 # Issue 47: the built-in engine's adapters (publication bytes and seconds, logprobs, side-path cost), and the
 # 7B step with a rank-64 adapter published as a PEFT folder (weight_update_mode adapter).

@@ -15,8 +15,9 @@ micro-batches.
   and each runs a slice of every row's tokens (``train.ulysses``); FSDP still shards over every rank.
 - Every forward and backward is a collective: a rank with fewer micro-batches than another runs empty
   ones (one token, zero loss), so every rank makes the same calls.
-- ``optimizer.offload``: AdamW state lives in CPU memory and is streamed to the device one parameter at a
-  time for the update, so the device holds weights and gradients only (a 7B model trains on one H200).
+- ``optimizer.offload``: AdamW state lives in CPU memory (page-locked) and is streamed to the device one
+  parameter at a time for the update, so the device holds weights and gradients only (a 7B model trains on
+  one H200).
 """
 
 from __future__ import annotations
@@ -287,17 +288,45 @@ def _offloaded_step(
     optimizer: torch.optim.Optimizer, params: list[nn.Parameter], device: torch.device
 ) -> None:
     """The optimizer's step one parameter at a time, its state brought from CPU memory and put back, so the
-    device never holds more than one parameter's optimizer state."""
+    device never holds more than one parameter's optimizer state. On a GPU the CPU state is page-locked and
+    every copy is queued on the compute stream (ordered with the update, at PCIe's speed, while Python moves
+    on to the next parameter): pageable copies, one at a time, made a 7B step last ~55 s."""
+    gpu = device.type == "cuda"
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
     for p, grad in zip(params, grads, strict=True):
-        state = optimizer.state.get(p)
-        if state:  # "step" stays where AdamW keeps it (a CPU scalar)
-            optimizer.state[p] = {k: v if k == "step" else v.to(device) for k, v in state.items()}
+        home = optimizer.state.get(p)
+        if home:  # "step" stays where AdamW keeps it (a CPU scalar)
+            optimizer.state[p] = {
+                k: v if k == "step" else v.to(device, non_blocking=gpu) for k, v in home.items()
+            }
         p.grad = grad
         optimizer.step()
         p.grad = None
-        optimizer.state[p] = {k: v if k == "step" else v.to("cpu") for k, v in optimizer.state[p].items()}
+        optimizer.state[p] = _put_back(optimizer.state[p], home, gpu)
+    if gpu:  # the CPU state whole before anything reads it (a checkpoint, the next step)
+        torch.cuda.current_stream(device).synchronize()
     for p, grad in zip(params, grads, strict=True):
         p.grad = grad
+
+
+def _put_back(state: dict, home: dict | None, gpu: bool) -> dict:
+    """``state`` (on the device) copied into its CPU buffers ``home``, made the first time (page-locked on a
+    GPU); the step counter is the one AdamW advanced."""
+    if not home:
+        return {k: v if k == "step" else _cpu_buffer(v, gpu) for k, v in state.items()}
+    for k, v in state.items():
+        if k != "step":
+            home[k].copy_(v, non_blocking=gpu)
+    return home
+
+
+def _cpu_buffer(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A CPU copy of ``t``, page-locked if ``pinned`` (a DTensor's: of its shard, under the same placements)."""
+    if isinstance(t, DTensor) and pinned:
+        local = _cpu_buffer(t.to_local(), pinned)
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return t.to("cpu").pin_memory() if pinned else t.to("cpu")
