@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,10 @@ def test_three_synchronous_grpo_steps_with_two_trainer_ranks(toy, capsys):
     assert skipped == 0 and [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 <= r["other"] < 0.05 * r["wall"] for r in rows), rows
     assert all(r["actor_train"] > 0 and r["idle trainer"] < 1 and r["idle gen_server"] < 1 for r in rows)
+    # A trainer's own phases: each minibatch's forward and backward and optimizer step, and once a run the
+    # page-locking of its recover checkpoint's buffers (seconds at 1.5B, inside step 1's train_step).
+    trainer0 = Counter(e.name for e in events if e.task == "trainer0")
+    assert trainer0["forward_backward"] == trainer0["optimizer"] >= 3 and trainer0["checkpoint_buffers"] == 1
     # Step 2's trainer calls under torch.profiler, joined to the trace on its clock.
     profiles = sorted(p.name for p in run.timeline.glob("profile.*.json"))
     assert profiles == [

@@ -208,7 +208,8 @@ class TrainerHandlers:
         if self.cfg.recover_mode == "disabled" or name in self._reserved:
             return
         start = time.monotonic()
-        self._saver().reserve({name: self.engines[name].state_dict()})
+        with timeline.span("checkpoint_buffers", model=name):  # once a run: seconds of page-locking
+            self._saver().reserve({name: self.engines[name].state_dict()})
         self._reserved.add(name)
         logger.info(
             "rank %d: checkpoint buffers of %s made in %.1f s", self.rank, name, time.monotonic() - start
