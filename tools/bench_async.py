@@ -140,11 +140,14 @@ def workload(name: str, root: Path, steps: int, shape: str | None = None) -> lis
         return [*common, f"actor.path={warm_up(root)}", f"exp_ctrl.total_train_epochs={epochs}",
                 f"actor.optimizer.lr={TOY_LR}"]  # fmt: skip
     if shape:
-        model = [f"actor.path={shaped_model(shape, root)}", "actor.dtype=bfloat16" if own_devices() else ""]
+        model = [
+            f"actor.path={shaped_model(shape, root)}",
+            *(["actor.dtype=bfloat16"] if own_devices() else []),
+        ]
     else:  # 16 of the tiny model's 1024 tokens end an answer: geometric lengths, mean ~64
         model = [f"actor.path={TINY / 'model'}", f"ppo.gen.stop_token_ids={list(range(100, 116))}"]
     return [
-        *common, *filter(None, model), "ppo.gen.max_new_tokens=512",
+        *common, *model, "ppo.gen.max_new_tokens=512",
         "dataset.valid_path=null",
         "dataset.train_bs_n_seqs=16", "group_size=4", "ppo.ppo_n_minibatches=1",
         # The default (one batch in flight) caps what eta = 4 may run ahead; eta = 0 is bounded by staleness.

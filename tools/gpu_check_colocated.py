@@ -135,7 +135,8 @@ def main() -> int:
         start = time.monotonic()
         code = run_local(cfg)
         stop.set()
-        sampler.join() if sampler.is_alive() else None
+        if sampler.is_alive():
+            sampler.join()
         run = run_dir_of(cfg)
         print(
             f"{ns.shape} ({n_params / 1e9:.2f} B parameters): run exit code {code} in {time.monotonic() - start:.0f} s"
