@@ -29,7 +29,7 @@ moe() {
 }
 turns() {
   for seed in 1 2 3; do
-    python3 tools/bench_episodes.py --set seed=$seed --set cluster.n_gpus_per_node=2 || return 1
+    python3 tools/bench_episodes.py --set seed=$seed --set cluster.n_nodes=1 --set cluster.n_gpus_per_node=2 || return 1
   done
 }
 async() {
