@@ -317,15 +317,19 @@ def _put_back(state: dict, home: dict | None, gpu: bool) -> dict:
     if not home:
         return {k: v if k == "step" else _cpu_buffer(v, gpu) for k, v in state.items()}
     for k, v in state.items():
-        if k != "step":
-            home[k].copy_(v, non_blocking=gpu)
+        if k != "step":  # shard into shard: a DTensor's placements are the same on both sides
+            _local(home[k]).copy_(_local(v), non_blocking=gpu)
     return home
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _cpu_buffer(t: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A CPU copy of ``t``, page-locked if ``pinned`` (a DTensor's: of its shard, under the same placements)."""
     if isinstance(t, DTensor) and pinned:
-        local = _cpu_buffer(t.to_local(), pinned)
+        local = _cpu_buffer(_local(t), pinned)
         return DTensor.from_local(
             local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
