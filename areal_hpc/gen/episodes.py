@@ -292,9 +292,11 @@ async def _episodes(
     tasks = [asyncio.ensure_future(_episode(workflow, ctx, record, timeout, slots)) for ctx in contexts]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
-    if pending:  # an episode failed or ran out of time: the others are given up
+    if errors or pending:  # an episode failed or ran out of time: it and the others are given up
         for ctx in contexts:
-            ctx.cancel()  # aborts their requests, so that their threads end now
+            # Aborts their requests, so that their threads end now; a timed-out episode's thread runs on even
+            # when no task is pending (every episode out of time at once), and asyncio.run would wait for it.
+            ctx.cancel()
         for task in pending:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
