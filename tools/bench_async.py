@@ -121,14 +121,12 @@ def warm_up(root: Path) -> Path:
 def shaped_model(shape: str, root: Path) -> Path:
     """A random-weight model of a real shape (tools/bench_train.py's) with the toy's tokenizer, whose answers
     end as the tiny model's do: one id in 64, spread over its vocabulary, ends one (its generation_config)."""
-    from tools.bench_train import build_model
+    from tools.bench_train import build_model, toy_tokenizer
 
     model = root / f"model-{shape}"
     build_model(shape, model, "cuda" if own_devices() else "cpu")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (model / name).write_bytes((TINY / "model" / name).read_bytes())
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(100, vocab, 64))}))
+    toy_tokenizer(model, TINY / "model", list(range(100, vocab, 64)))
     return model
 
 

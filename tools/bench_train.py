@@ -97,6 +97,16 @@ def build_model(shape: str, out: Path, device: str, vocab: int = VOCAB, moe_laye
     return int(n)
 
 
+def toy_tokenizer(model: Path, tiny_model: Path, eos_ids: list[int] | None = None) -> None:
+    """Give a random-weight ``model`` the tiny model's tokenizer (the toy's prompts: its ids are in range), and
+    ``eos_ids`` as the ids that end an answer (its generation_config): a random model's near-uniform draws then
+    end one after ~vocab / len(eos_ids) tokens, a geometric tail."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, model / name)
+    if eos_ids:
+        (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+
+
 def workload(
     n_seqs: int = 64, seed: int = 0, vocab: int = VOCAB, scale: float = 1.0
 ) -> dict[str, np.ndarray]:

@@ -49,7 +49,7 @@ from areal_hpc.control.heartbeat import last_beat  # noqa: E402
 from areal_hpc.control.rundir import run_dir_of  # noqa: E402
 from areal_hpc.launch.local import run_local  # noqa: E402
 from areal_hpc.monitor.stats import read_stats  # noqa: E402
-from tools.bench_train import SHAPES, build_model  # noqa: E402
+from tools.bench_train import SHAPES, build_model, toy_tokenizer  # noqa: E402
 
 try:
     from areal_hpc.monitor import write_trace
@@ -107,12 +107,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-colocated-") as root:
         model = Path(root) / "model"
         n_params = build_model(ns.shape, model, ns.device)
-        for name in ("tokenizer.json", "tokenizer_config.json"):  # the toy's prompts; its ids are in range
-            shutil.copy(TINY / "model" / name, model / name)
-        if ns.eos_ids:
-            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-            eos = list(range(vocab // ns.eos_ids // 2, vocab, vocab // ns.eos_ids))[: ns.eos_ids]
-            (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        every = vocab // max(ns.eos_ids, 1)
+        toy_tokenizer(model, TINY / "model", list(range(every // 2, vocab, every))[: ns.eos_ids])
         cfg = load_config(
             [REPO / "configs/toy-cpu.yaml"],
             [

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import signal
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from areal_hpc.control.heartbeat import last_beat  # noqa: E402
 from areal_hpc.control.ledger import Ledger  # noqa: E402
 from areal_hpc.control.rundir import run_dir_of  # noqa: E402
 from areal_hpc.launch.local import run_local  # noqa: E402
-from tools.bench_train import SHAPES, build_model  # noqa: E402
+from tools.bench_train import SHAPES, build_model, toy_tokenizer  # noqa: E402
 
 TINY = REPO / ".cache" / "tiny"
 
@@ -72,8 +71,7 @@ def model_overrides(shape: str, root: Path) -> list[str]:
 
     model = root / "model"
     build_model(shape, model, "cuda" if torch.cuda.is_available() else "cpu")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY / "model" / name, model / name)
+    toy_tokenizer(model, TINY / "model")
     return [f"actor.path={model}", "actor.dtype=bfloat16", "dataset.train_bs_n_seqs=16", "group_size=4",
             "ppo.gen.max_new_tokens=256"]  # fmt: skip
 
