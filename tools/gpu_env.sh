@@ -4,3 +4,15 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 nvidia-smi -L
+
+# run_parts PATTERN PART...: each part (a function of the calling script) logged whole to $OUT/<part>.log, its
+# lines matching PATTERN shown; a part that fails or shows none of them fails the script (the caller's $status).
+run_parts() {
+  local pattern=$1 part start; shift
+  for part in "$@"; do
+    echo "=== $part"
+    start=$(date +%s)
+    $part 2>&1 | tee $OUT/$part.log | grep -E "$pattern" || { echo "FAILED: $part"; status=1; }
+    echo "=== $part: $(( $(date +%s) - start )) s"
+  done
+}

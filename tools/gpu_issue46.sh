@@ -60,12 +60,5 @@ long() {
   PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --shapes ${LONG_SHAPES:-1.5b,3b,7b} \
     --lengths ${LONG_LENGTHS:-16384,32768,65536,131072} --out $OUT/long.jsonl
 }
-nvidia-smi -L
-for part in "$@"; do
-  echo "=== $part"
-  start=$(date +%s)
-  $part 2>&1 | tee $OUT/$part.log | grep -E "^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error" \
-    || { echo "FAILED: $part"; status=1; }
-  echo "=== $part: $(( $(date +%s) - start )) s"
-done
+run_parts "^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error" "$@"
 exit $status

@@ -59,12 +59,5 @@ lora() {  # the same LoRA actor publishing its adapter, then its merged weights
   python3 tools/gpu_check_colocated.py $work --weight-update-mode adapter --json $OUT/lora-adapter.json || return 1
   python3 tools/gpu_check_colocated.py $work --weight-update-mode tensor --json $OUT/lora-merged.json
 }
-nvidia-smi -L
-for part in "$@"; do
-  echo "=== $part"
-  start=$(date +%s)
-  $part 2>&1 | tee $OUT/$part.log | grep -E "^step |speed-up|vs |OK|FAIL|PROBLEM|check|Error|error" \
-    || { echo "FAILED: $part"; status=1; }
-  echo "=== $part: $(( $(date +%s) - start )) s"
-done
+run_parts "^step |speed-up|vs |OK|FAIL|PROBLEM|check|Error|error" "$@"
 exit $status
