@@ -317,11 +317,35 @@ def run_engine(label: str, classes: tuple[type, type], path: str, new: int, args
             out[rows] = r = measure(engine, params_cls, rows, new, vocab, args)
             log(f"  {label}: {rows} rows x {new} tokens: {r['decode_ms_per_step']} ms/step, "
                 f"{r['tokens_per_s']} tok/s, setup {r['setup_s']} s")  # fmt: skip
+        if args.profile and label == "engine":
+            profile(engine, params_cls, args.rows[-1], vocab, args)
         return out
     finally:
         engine.stop()
         del engine
         free_memory(args.device)
+
+
+def profile(engine, params_cls: type, rows: int, vocab: int, args: argparse.Namespace) -> None:
+    """A request of ``rows`` rows x 64 tokens under torch.profiler: the kernels by device time, and how much of
+    the wall time the device was busy (the rest is the host's: launches, sampling, bookkeeping). The Chrome
+    trace goes to ``--profile``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    n = 1 if rows == 1 else 8
+    prompts = make_prompts(rows // n, args.prompt_len, vocab, args.seed + 7)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch_profile(activities=activities) as prof:
+        run = generate(engine, params_cls, prompts, n, 64, args.timeout)
+    prof.export_chrome_trace(args.profile)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    steps = max(run["decode_steps"], 1)
+    log(f"profile, {rows} rows x 64 tokens: wall {run['wall_s']:.3f} s, device busy {busy_us / 1e6:.3f} s "
+        f"({100 * busy_us / 1e6 / run['wall_s']:.0f}%), {len(kernels) / steps:.0f} kernels per decode step")  # fmt: skip
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=60)
+    log(table)
 
 
 def decode_bytes(path: str, dtype: str) -> tuple[int, int]:
@@ -427,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--mem-fraction-static", type=float, default=None, help="passed if the engine takes it")
     e.add_argument("--engine-dir", default=None, help=argparse.SUPPRESS)  # a copy as the engine: tests
     e.add_argument("--out", default=None, help="also write the JSON results here")
+    e.add_argument("--profile", default=None, help="FILE: profile a request at the last row count (trace)")
     args = p.parse_args(argv)
     args.engine_bench = args.engine_bench or args.device != "cpu"
     if args.prompt_len is None:
