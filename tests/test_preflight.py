@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from areal_hpc.cli import main
-from areal_hpc.launch.storage import storage_problems
+from areal_hpc.launch.storage import storage_problems, trained_parameter_count
 from tests.helpers import REPO_ROOT
 
 TOY = str(REPO_ROOT / "configs" / "toy-cpu.yaml")
@@ -95,6 +95,23 @@ def test_only_a_run_on_this_machine_asks_for_its_dev_shm(toy, huge_model):
     assert any("/dev/shm" in p for p in storage_problems(cfg, here=True))
     assert not any("/dev/shm" in p for p in storage_problems(cfg, here=False))  # the nodes' is not this one's
     assert storage_problems(toy.config("tiny", 2), here=True) == []
+
+
+def test_a_lora_runs_recover_checkpoints_are_sized_by_its_adapters(toy, huge_model):
+    """They hold the adapters only (the base is the model's path): a model whose full checkpoints fit nowhere
+    trains adapters on the same storage."""
+    lora = ("actor.lora.rank=8", "weight_update_mode=adapter")
+    assert storage_problems(toy.config("huge", 2, f"actor.path={huge_model}", *lora, "actor.lora.target_modules=[q_proj,v_proj]"), here=True) == []  # fmt: skip
+    # all-linear, counted as PEFT counts the adapters it adds to the tiny model
+    from transformers import AutoModelForCausalLM
+
+    from areal_hpc.train import lora as train_lora
+
+    model = train_lora.add_adapters(
+        AutoModelForCausalLM.from_pretrained(toy.model_dir), 8, 16.0, 0.0, ["all-linear"]
+    )
+    peft_count = sum(p.numel() for name, p in model.named_parameters() if train_lora.is_adapter(name))
+    assert trained_parameter_count(toy.config("tiny", 2, *lora)) == peft_count
 
 
 def test_a_file_root_that_cannot_rename_over_a_file_is_refused(toy, monkeypatch):

@@ -63,8 +63,9 @@ def reference_logprobs(model: Path, adapter: Adapter, prompts, outputs, device: 
     """transformers' logprobs of each output given its prompt, under the merged weights (the trainer's policy)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device).eval()
-    hf.load_state_dict(dict(merged(hf.state_dict().items(), adapter)))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)  # merged on the CPU: the engine
+    hf.load_state_dict(dict(merged(hf.state_dict().items(), adapter)))  # holds half the card
+    hf = hf.to(device).eval()
     out = []
     with torch.no_grad():
         for prompt, o in zip(prompts, outputs, strict=True):

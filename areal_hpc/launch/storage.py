@@ -19,6 +19,7 @@ from areal_hpc.config import ExperimentConfig
 
 GB = 1e9
 RECOVER_BYTES = 12  # per trained parameter: float32 weights and Adam's two moments (docs/troubleshooting.md)
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # "all-linear"
 SNAPSHOT_BYTES = 2  # per parameter: a bf16 weight snapshot (weight_update_mode disk)
 SHM = Path("/dev/shm")
 
@@ -26,10 +27,10 @@ SHM = Path("/dev/shm")
 def storage_problems(cfg: ExperimentConfig, here: bool) -> list[str]:
     root = existing_ancestor(Path(cfg.cluster.fileroot).expanduser().resolve())
     out = [f"'cluster.fileroot': {p}" for p in rename_problems(root)]
-    params = parameter_count(cfg.actor.path)
+    params, trained = parameter_count(cfg.actor.path), trained_parameter_count(cfg)
     if params is None:  # no readable config.json: the model's own check says why
         return out
-    needed, what = needed_bytes(cfg, params)
+    needed, what = needed_bytes(cfg, params, trained)
     free = shutil.disk_usage(root).free
     if free < needed:
         out.append(
@@ -37,7 +38,7 @@ def storage_problems(cfg: ExperimentConfig, here: bool) -> list[str]:
             f"({what}): free some, lower recover_keep, or choose another file root"
         )
     if here and cfg.recover_mode != "disabled" and SHM.is_dir():  # all trainer ranks on this machine
-        shm_free, buffers = shutil.disk_usage(SHM).free, RECOVER_BYTES * params
+        shm_free, buffers = shutil.disk_usage(SHM).free, RECOVER_BYTES * trained
         if shm_free < buffers:
             out.append(
                 f"{SHM} has {shm_free / GB:.1f} GB free, but the trainers' recover checkpoint buffers take "
@@ -71,29 +72,51 @@ def rename_problems(folder: Path) -> list[str]:
     return []
 
 
-def needed_bytes(cfg: ExperimentConfig, params: int) -> tuple[int, str]:
-    """Bytes the file root needs at once: recover checkpoints (those kept and one being written) and weight
-    snapshots (the one served and the next)."""
+def needed_bytes(cfg: ExperimentConfig, params: int, trained: int) -> tuple[int, str]:
+    """Bytes the file root needs at once: recover checkpoints of the ``trained`` parameters (those kept and one
+    being written) and weight snapshots of all ``params`` (the one served and the next)."""
     parts = []
     if cfg.recover_mode != "disabled":
         parts.append(
-            (RECOVER_BYTES * params * (cfg.recover_keep + 1), f"{cfg.recover_keep + 1} recover checkpoints")
+            (RECOVER_BYTES * trained * (cfg.recover_keep + 1), f"{cfg.recover_keep + 1} recover checkpoints")
         )
     if cfg.experiment_type == "ppo" and cfg.weight_update_mode == "disk":
         parts.append((SNAPSHOT_BYTES * params * 2, "2 weight snapshots"))
     return sum(n for n, _ in parts), ", ".join(w for _, w in parts) or "no checkpoint"
 
 
+def trained_parameter_count(cfg: ExperimentConfig) -> int | None:
+    """The actor's parameters a recover checkpoint holds: all of them, or with actor.lora its adapters only
+    (the base is the model's path, never changed)."""
+    dims = _dims(cfg.actor.path)
+    if dims is None or not cfg.actor.lora.rank:
+        return parameter_count(cfg.actor.path)
+    targets = cfg.actor.lora.target_modules
+    modules = LINEAR if "all-linear" in targets else [m for m in targets if m in dims]
+    return dims["layers"] * cfg.actor.lora.rank * sum(sum(dims[m]) for m in modules)
+
+
 def parameter_count(model: str | None) -> int | None:
     """About how many parameters a decoder-only model of a Hugging Face config.json has, or None."""
+    dims = _dims(model)
+    if dims is None:
+        return None
+    per_layer = sum(a * b for a, b in (dims[m] for m in LINEAR))
+    return dims["layers"] * per_layer + dims["embeddings"]
+
+
+def _dims(model: str | None) -> dict | None:
+    """(inputs, outputs) of each linear module of a layer, the layers and the embeddings' parameters of a
+    decoder-only model's config.json; None if there is none readable."""
     try:
         hf = json.loads((Path(model).expanduser() / "config.json").read_text())
         h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     except (TypeError, OSError, ValueError, KeyError):
         return None
     heads = hf.get("num_attention_heads", 1)
-    kv = h // heads * hf.get("num_key_value_heads", heads)
-    attention = 2 * h * h + 2 * h * kv  # q and o, k and v
-    mlp = 3 * h * hf.get("intermediate_size", 4 * h)
-    embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
-    return layers * (attention + mlp) + embeddings
+    q, kv, inter = h, h // heads * hf.get("num_key_value_heads", heads), hf.get("intermediate_size", 4 * h)
+    return {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+        "layers": layers, "embeddings": vocab * h * (1 if hf.get("tie_word_embeddings") else 2),
+    }  # fmt: skip
