@@ -25,6 +25,7 @@ GIB=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | he
 TOKENS=$([ "$GIB" -ge 100 ] && echo 30720 || echo 16384)
 MB="--set actor_train.mb_spec.max_tokens_per_mb=$TOKENS --set actor_inf.mb_spec.max_tokens_per_mb=$TOKENS"
 status=0
+rm -rf /tmp/gpu-colocated-* /tmp/bench-*  # what a run cut off by its time limit left on a warm machine's disk
 check() {  # label, code dir, args...
   local label=$1 code=$2; shift 2
   PYTHONPATH=/tmp/site:$PWD/$code python3 $code/tools/gpu_check_colocated.py $WORK "$@" --json $OUT/$label.json
@@ -47,12 +48,16 @@ decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token promp
   python3 tools/bench_gen.py --device cuda --shapes 1.5b --rows 128 --max-new-tokens 1024 \
     --mem-fraction-static 0.5 --profile $OUT/decode-trace.json --out $OUT/decode.json
 }
-3b() { check 3b . --shape 3b $MB; }
+# Recover checkpoints off: three of a 3B (12 bytes a parameter) need 111 GB, the lent machine's disk holds 64.
+3b() { check 3b . --shape 3b $MB --set recover_mode=disabled; }
 offload() {  # the page-locked, queued copies of the Adam state against one pageable copy at a time
   PYTHONPATH=/tmp/site:$PWD/$BASE python3 $BASE/tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
   python3 tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
 }
-7b() { check 7b . --shape 7b $MB --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true; }
+7b() {
+  check 7b . --shape 7b $MB --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true \
+    --set recover_mode=disabled
+}
 # Issue 47: the built-in engine's adapters (publication bytes and seconds, logprobs, side-path cost), and the
 # 7B step with a rank-64 adapter published as a PEFT folder (weight_update_mode adapter).
 lora() { PYTHONPATH=/tmp/site:$PWD python3 tools/gpu_check_lora.py --shape 7b --rank 64 --out $OUT/lora-check.json; }
