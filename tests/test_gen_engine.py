@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
-from areal_hpc.gen.backends.builtin.sampling import SlotSampling, filter_top_k_top_p, uniforms
+from areal_hpc.gen.backends.builtin.sampling import BLOCK, SlotSampling, draw, filter_top_k_top_p, uniforms
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -104,6 +104,26 @@ def test_a_wider_neighbour_does_not_change_a_rows_draws():
     alone = draws()
     assert 0 in alone and 5 not in alone
     assert draws(frozenset({5, 6, 7})) == alone
+
+
+def test_the_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
+    """Block, then token within it: the token a float64 cumulative sum over every token gives, for a vocabulary
+    with a partial last block, and never a token of probability 0."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3 * BLOCK + 37
+    allowed = torch.randn(2000, vocab, generator=gen) * 3
+    allowed[:, ::3] = float("-inf")  # banned or filtered out
+    allowed[:5, : 3 * BLOCK] = float("-inf")  # all the mass in the partial block
+    u = torch.rand(2000, generator=gen, dtype=torch.float64)
+    cdf = allowed.double().softmax(-1).cumsum(-1)
+    expected = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
+    got = draw(allowed, u)
+    assert torch.equal(got, expected)
+    assert allowed.gather(1, got[:, None]).isfinite().all()
+    edges = draw(
+        allowed[:3].expand(2, -1, -1).reshape(6, -1), torch.tensor([0.0, 0.0, 0.0] + [1 - 2**-53] * 3)
+    )
+    assert allowed[:3].repeat(2, 1).gather(1, edges[:, None]).isfinite().all()  # u at 0 and just below 1
 
 
 def test_neighbouring_seeds_give_unrelated_streams():

@@ -44,8 +44,10 @@ loglinear() {
 profile() {
   check profile . --shape 1.5b $MB --set logging.profile_step=2
 }
-decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token prompts), its kernels by time
+decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token prompts) against the baseline's
+  # engine, and today's kernels by time
   python3 tools/bench_gen.py --device cuda --shapes 1.5b --rows 128 --max-new-tokens 1024 \
+    --baseline $BASE/areal_hpc/gen/backends/builtin --baseline-tokens 1024 \
     --mem-fraction-static 0.5 --profile $OUT/decode-trace.json --out $OUT/decode.json
 }
 # Recover checkpoints off: three of a 3B (12 bytes a parameter) need 111 GB, the lent machine's disk holds 64.

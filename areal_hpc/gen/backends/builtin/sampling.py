@@ -20,6 +20,7 @@ import torch
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # at or below: greedy (SGLang treats tiny temperatures the same way)
+BLOCK = 256  # tokens per block of the two-level draw
 
 
 def _signed(value: int) -> int:
@@ -60,6 +61,32 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     drop = (ranks[None, :] >= top_k[:, None]) | (probs.cumsum(dim=-1) - probs > top_p[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def draw(allowed: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw of each row of softmax(``allowed``) [R, V] at its uniform ``u`` [R] (float64): the
+    first token whose cumulative probability exceeds u, in two levels (the block of ``BLOCK`` tokens that holds
+    u, then the token within it), where one cumulative sum over a 152k vocabulary is a slow scan. A token of
+    probability 0 is never drawn."""
+    rows, vocab = allowed.shape
+    p = (allowed - allowed.amax(dim=-1, keepdim=True)).exp_()  # unnormalised; the max is after the bans
+    full = vocab - vocab % BLOCK
+    sums = p[:, :full].view(rows, -1, BLOCK).sum(dim=-1)
+    if full < vocab:
+        sums = torch.cat([sums, p[:, full:].sum(dim=-1, keepdim=True)], dim=1)
+    cdf = sums.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # right=True never lands on a zero-probability block or token; float rounding keeps u below each total.
+    target = torch.minimum(
+        (u[:, None] * total.double()).float(), torch.nextafter(total, torch.zeros_like(total))
+    )
+    block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    index = block * BLOCK + torch.arange(BLOCK, device=allowed.device)
+    within = (p.gather(1, index.clamp(max=vocab - 1)) * (index < vocab)).cumsum(dim=-1)
+    rest = torch.minimum(target - before, torch.nextafter(within[:, -1:], torch.zeros_like(total)))
+    offset = torch.searchsorted(within, rest, right=True).clamp_(max=BLOCK - 1)
+    return (block * BLOCK + offset).squeeze(-1).clamp_(max=vocab - 1)
 
 
 class SlotSampling:
@@ -118,26 +145,22 @@ class SlotSampling:
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """A token and its logprob for each of ``slots`` from its ``logits`` row [R, V]; counts the token."""
-        logits = logits.float()
         temperature = self.temperature[slots]
         greedy = temperature <= GREEDY_TEMPERATURE
-        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-        logprobs = scaled.log_softmax(dim=-1)
+        # A float32 divisor promotes bf16 logits: the upcast and the scaling are one pass.
+        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None].float()
+        lse = scaled.logsumexp(dim=-1)  # the logprob's normaliser: the whole vocabulary, before any ban
         count, stop_ids = self.count[slots], self.stop_ids[slots]
         # Before min_new_tokens a row may not draw its stop tokens (padding repeats one, so writes agree).
         banned = (count < self.min_new[slots])[:, None].expand_as(stop_ids)
-        allowed = scaled.scatter(1, stop_ids, scaled.gather(1, stop_ids).masked_fill(banned, float("-inf")))
+        allowed = scaled.scatter_(1, stop_ids, scaled.gather(1, stop_ids).masked_fill(banned, float("-inf")))
         if self._filters(slots):
             allowed = filter_top_k_top_p(allowed, self.top_k[slots], self.top_p[slots])
-        cdf = allowed.softmax(dim=-1).cumsum(dim=-1)
-        # Inverse-CDF draw; right=True never lands on a zero-probability token.
-        total = cdf[:, -1]
-        u = (uniforms(self.seed[slots], count) * total.double()).float()
-        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # float rounding stays below
-        drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+        drawn = draw(allowed, uniforms(self.seed[slots], count))
         tokens = torch.where(greedy, allowed.argmax(dim=-1), drawn)
         self.count[slots] += 1
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        # A drawn token is never banned nor filtered out: its allowed logit is its scaled one.
+        return tokens, allowed.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
     def _filters(self, slots: torch.Tensor | slice) -> bool:
         if not self.filtered:
