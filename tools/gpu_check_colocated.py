@@ -138,6 +138,8 @@ def main() -> int:
         print(
             f"{ns.shape} ({n_params / 1e9:.2f} B parameters): run exit code {code} in {time.monotonic() - start:.0f} s"
         )
+        if ns.json:  # the roles' logs beside the results (recompilations, warnings): the run directory goes
+            shutil.copytree(run.logs / "attempt0", Path(ns.json).with_suffix(".logs"), dirs_exist_ok=True)
         if code != 0:
             print(run.logs)
             return 1
