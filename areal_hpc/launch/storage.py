@@ -92,7 +92,7 @@ def trained_parameter_count(cfg: ExperimentConfig) -> int | None:
     if dims is None or not cfg.actor.lora.rank:
         return parameter_count(cfg.actor.path)
     targets = cfg.actor.lora.target_modules
-    modules = LINEAR if "all-linear" in targets else [m for m in targets if m in dims]
+    modules = LINEAR if "all-linear" in targets else [m for m in targets if m in LINEAR]
     return dims["layers"] * cfg.actor.lora.rank * sum(sum(dims[m]) for m in modules)
 
 

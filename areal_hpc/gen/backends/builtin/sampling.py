@@ -148,7 +148,7 @@ class SlotSampling:
         temperature = self.temperature[slots]
         greedy = temperature <= GREEDY_TEMPERATURE
         # A float32 divisor promotes bf16 logits: the upcast and the scaling are one pass.
-        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None].float()
+        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
         lse = scaled.logsumexp(dim=-1)  # the logprob's normaliser: the whole vocabulary, before any ban
         count, stop_ids = self.count[slots], self.stop_ids[slots]
         # Before min_new_tokens a row may not draw its stop tokens (padding repeats one, so writes agree).
