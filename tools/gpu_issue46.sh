@@ -2,13 +2,13 @@
 # Issues 46's, 47's and 48's runs on one lent GPU (device tool; carry .whl (peft and accelerate among them), .cache/tiny and .cache/baseline-46, the package before
 # issue 46 with today's tools:
 #   mkdir -p .cache/baseline-46 && git archive 9dd158c areal_hpc tools configs | tar -x -C .cache/baseline-46 \
-#     && cp tools/gpu_check_colocated.py .cache/baseline-46/tools/
+#     && cp tools/gpu_check_colocated.py tools/bench_train.py .cache/baseline-46/tools/
 # Each part logs to $OUT/<part>.log; each run writes $OUT/<part>-<label>.json and, for today's code, its trace.
 #   tools/gpu_issue46.sh step        # the issue-32 step (1.5B, 16 x 8 x 1,024, tensor mode): baseline, today's
 #   tools/gpu_issue46.sh overhead    # today's with logging.timeline off (step-today has it on)
 #   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
-#   tools/gpu_issue46.sh decode      # the step's rollout alone: the engine at 128 rows x 1,024, profiled
+#   tools/gpu_issue46.sh decode      # the step's rollout alone (128 rows x 1,024): baseline's engine, today's profiled
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
 #   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
