@@ -44,6 +44,7 @@ SHAPES = [
     ("7b", 28, 4, 128, 64, 3000, 17408),
     ("7b", 28, 4, 128, 1, 16000, 17408),
     ("1.5b", 12, 2, 128, 256, 1280, 2048),
+    ("1.5b", 12, 2, 128, 128, 768, 1280),  # issue 46's rollout at mid-answer: 2 splits (and a merge) or 1?
 ]
 # (block_n, warps, stages); stages 5 double-buffers K and V (3 and 4 buffer one block: the page-id load comes first)
 CONFIGS = [(64, 4, 3), (64, 4, 2), (64, 4, 5), (32, 4, 3), (32, 4, 5), (32, 2, 4), (128, 4, 2), (128, 8, 3)]

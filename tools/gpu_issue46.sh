@@ -9,6 +9,7 @@
 #   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
 #   tools/gpu_issue46.sh decode      # the step's rollout alone (128 rows x 1,024): baseline's engine, today's profiled
+#   tools/gpu_issue46.sh paged       # the paged decode kernel (tools/gpu_check_paged.py) at the step's shape too
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
 #   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
@@ -51,6 +52,7 @@ decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token promp
     --mem-fraction-static 0.5 --profile $OUT/decode-trace.json --out $OUT/decode.json
 }
 # Recover checkpoints off: three of a 3B (12 bytes a parameter) need 111 GB, the lent machine's disk holds 64.
+paged() { python3 tools/gpu_check_paged.py; }  # the decode kernel's splits sweep, the step's shape among them
 3b() { check 3b . --shape 3b $MB --set recover_mode=disabled; }
 offload() {  # the page-locked, queued copies of the Adam state against one pageable copy at a time
   PYTHONPATH=/tmp/site:$PWD/$BASE python3 $BASE/tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
@@ -72,5 +74,5 @@ long() {
   PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --shapes ${LONG_SHAPES:-1.5b,3b,7b} \
     --lengths ${LONG_LENGTHS:-16384,32768,65536,131072} --out $OUT/long.jsonl
 }
-run_parts "^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%" "$@"
+run_parts "^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%|TB/s" "$@"
 exit $status
