@@ -57,6 +57,28 @@ def test_long_answers_are_never_cut_and_episodes_prefill_only_what_they_add(tmp_
     assert json.loads(episodes.read_text())["engine"]["prefill_ratio"] <= 1.3
 
 
+def test_each_batch_size_is_captured_once_until_the_memory_is_released(tiny_model_dir):
+    """The counters /server_info shows: a decode graph per bucket, captured again after a release (the graphs
+    point at the memory), which a colocated server pays every step."""
+    from areal_hpc.gen.backends.builtin.engine import Engine
+    from areal_hpc.gen.backends.builtin.protocol import SamplingParams
+
+    engine = Engine(str(tiny_model_dir), device="cuda", seed=0, max_batch_size=8).start()
+    try:
+        params = SamplingParams(max_new_tokens=8, n=8, ignore_eos=True)
+        captures = lambda: engine.info()["stats"]["graph_captures"]  # noqa: E731
+        engine.submit([[5, 6, 7]], params).wait(120)
+        first = captures()
+        engine.submit([[5, 6, 8]], params).wait(120)
+        assert first >= 1 and captures() == first
+        engine.release_memory(["kv_cache"])
+        engine.resume_memory(["kv_cache"])
+        engine.submit([[5, 6, 9]], params).wait(120)
+        assert captures() > first and engine.info()["stats"]["graph_capture_secs"] > 0
+    finally:
+        engine.stop()
+
+
 def test_a_server_copies_weights_a_process_shares_from_its_gpu(tiny_model_dir, tmp_path):
     """weight_update_mode tensor: the server opens this process's CUDA memory (IPC) and copies from it."""
     secret, address = tmp_path / "secret", tmp_path / "address.json"

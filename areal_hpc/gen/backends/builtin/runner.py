@@ -18,12 +18,15 @@ prefill's with its results.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from areal_hpc.control import timeline
 from areal_hpc.gen.backends.builtin import paged_decode
 from areal_hpc.gen.backends.builtin.cache import KVCache, Plan
 from areal_hpc.gen.backends.builtin.model import Decoder
@@ -129,6 +132,9 @@ class Runner:
             log.warning("the paged decode kernel needs triton on an sm80+ GPU: decode attention gathers keys")
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count if self.cuda else 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # graph_captures and graph_capture_secs (the scheduler's counters join them, for /server_info): a
+        # release of the memory drops every graph, so a colocated server captures its buckets again each step.
+        self.stats: Counter[str] = Counter()
         self._pool = None
         self._rows = torch.arange(slots, device=device)
         pinned = self.cuda
@@ -276,17 +282,21 @@ class Runner:
     def _replay(self, batch: int) -> torch.Tensor:
         """The decode logits of ``batch`` slots through that bucket's CUDA graph, captured at first use."""
         if batch not in self.graphs:
-            # Warm up outside the graph; re-running a step writes the same keys and values, so it is harmless.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._decode_logits(batch)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._decode_logits(batch)
+            start = time.monotonic()
+            with timeline.span("capture_graph", rows=batch):
+                # Warm up outside the graph; re-running a step writes the same keys and values: harmless.
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._decode_logits(batch)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self._decode_logits(batch)
             self._pool = graph.pool()
             self.graphs[batch] = (graph, logits)
+            self.stats["graph_captures"] += 1
+            self.stats["graph_capture_secs"] += time.monotonic() - start
         graph, logits = self.graphs[batch]
         graph.replay()
         return logits

@@ -107,7 +107,7 @@ class Scheduler:
         self.pages = Pages(runner.plan.pages)
         self.epoch = 0
         self.rows: list[Row] = []  # always replaced, never mutated: other threads may read a snapshot
-        self.stats: Counter[str] = Counter()
+        self.stats: Counter[str] = runner.stats  # one set of counters: the runner's graph captures too
         self._free = list(range(runner.slots))
         self._pending: tuple[Fetched, list[tuple[Row, int]]] | None = None
         self._admissions = 0
