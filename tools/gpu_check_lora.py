@@ -4,7 +4,8 @@ model of a real shape, published as a PEFT folder and served by the built-in eng
 - publication: the bytes of a version's adapter folder against the model's weights, and its seconds (write, then
   the server's load) against the full weights' (the same tensors written again, then the server's disk load);
 - the engine's logprobs under the adapter against transformers' forward of the merged weights (bf16: mean
-  |diff| within gpu_check_engine.py's bound for full weights);
+  |diff| within gpu_check_engine.py's bound for full weights, or within 10% of the same engine's on the base
+  weights against transformers' base model, measured too: a deep random model's bf16 differences grow);
 - decode time with the adapter's side path against the same engine serving its base model.
 
 Usage (device tool; carry .whl for peft and accelerate, installed by tools/gpu_env.sh)::
@@ -66,8 +67,8 @@ def reference_logprobs(
     or the base weights (``adapter`` None)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)  # merged on the CPU: the engine
-    if adapter is not None:  # holds half the card
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    if adapter is not None:  # merged on the CPU: the stopped engine may still hold half the card
         hf.load_state_dict(dict(merged(hf.state_dict().items(), adapter)))
     hf = hf.to(device).eval()
     out = []
