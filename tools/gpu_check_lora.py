@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,25 +61,28 @@ def random_adapter(model: Path, rank: int, alpha: float) -> Adapter:
     return Adapter(rank, alpha, str(model), pairs)
 
 
-def reference_logprobs(
-    model: Path, adapter: Adapter | None, prompts, outputs, device: str
-) -> list[torch.Tensor]:
-    """transformers' logprobs of each output given its prompt, under the merged weights (the trainer's policy),
-    or the base weights (``adapter`` None)."""
+def reference_logprobs(model: Path, adapter: Adapter, outputs, base_outputs, prompts, device: str):
+    """transformers' logprobs of each output given its prompt: ``outputs`` under the merged weights (the
+    trainer's policy), ``base_outputs`` under the base weights; the model loaded once, merged in place."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
-    if adapter is not None:  # merged on the CPU: the stopped engine may still hold half the card
-        hf.load_state_dict(dict(merged(hf.state_dict().items(), adapter)))
-    hf = hf.to(device).eval()
-    out = []
-    with torch.no_grad():
-        for prompt, o in zip(prompts, outputs, strict=True):
-            ids = torch.tensor([prompt + o.output_ids], device=device)
-            logp = torch.log_softmax(hf(input_ids=ids).logits[0].float(), -1)
-            out.append(logp[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt) :, None])[:, 0].cpu())
-    del hf
-    return out
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device).eval()
+
+    def logprobs(outs) -> list[torch.Tensor]:
+        out = []
+        with torch.no_grad():
+            for prompt, o in zip(prompts, outs, strict=True):
+                ids = torch.tensor([prompt + o.output_ids], device=device)
+                logp = torch.log_softmax(hf(input_ids=ids).logits[0].float(), -1)
+                out.append(logp[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt) :, None])[:, 0].cpu())
+        return out
+
+    base = logprobs(base_outputs)
+    pairs = {
+        m: (a.to(device), b.to(device)) for m, (a, b) in adapter.pairs.items()
+    }  # merged beside the weights
+    hf.load_state_dict(dict(merged(hf.state_dict().items(), replace(adapter, pairs=pairs))))
+    return logprobs(outputs), base
 
 
 def mean_abs_diff(outputs, reference: list[torch.Tensor]) -> tuple[float, float]:
@@ -143,12 +147,11 @@ def main() -> int:
         torch.cuda.empty_cache()  # room for transformers' copy of the model
         stats["publish_s_adapter"] = round(write_s + load_s, 3)
         stats["publish_s_weights"] = round(save_s + full_load_s, 3)
-        reference = reference_logprobs(model, adapter, prompts, outs, args.device)
+        reference, base = reference_logprobs(model, adapter, outs, base_outs, prompts, args.device)
         stats["mean_abs_logprob_diff"], stats["max_abs_logprob_diff"] = mean_abs_diff(outs, reference)
         # The same engine on its base weights against transformers' base: the full-weight check at this shape.
-        reference = reference_logprobs(model, None, prompts, base_outs, args.device)
         stats["base_mean_abs_logprob_diff"], stats["base_max_abs_logprob_diff"] = mean_abs_diff(
-            base_outs, reference
+            base_outs, base
         )
     # Within the full-weight bound, or (a deep random model's bf16 differences grow with its depth) within 10%
     # of the engine's own difference on the base weights at this shape.
