@@ -27,9 +27,10 @@ SHM = Path("/dev/shm")
 def storage_problems(cfg: ExperimentConfig, here: bool) -> list[str]:
     root = existing_ancestor(Path(cfg.cluster.fileroot).expanduser().resolve())
     out = [f"'cluster.fileroot': {p}" for p in rename_problems(root)]
-    params, trained = parameter_count(cfg.actor.path), trained_parameter_count(cfg)
-    if params is None:  # no readable config.json: the model's own check says why
+    dims = _dims(cfg.actor.path)
+    if dims is None:  # no readable config.json: the model's own check says why
         return out
+    params, trained = _total(dims), _trained(dims, cfg.actor.lora)
     needed, what = needed_bytes(cfg, params, trained)
     free = shutil.disk_usage(root).free
     if free < needed:
@@ -89,20 +90,26 @@ def trained_parameter_count(cfg: ExperimentConfig) -> int | None:
     """The actor's parameters a recover checkpoint holds: all of them, or with actor.lora its adapters only
     (the base is the model's path, never changed)."""
     dims = _dims(cfg.actor.path)
-    if dims is None or not cfg.actor.lora.rank:
-        return parameter_count(cfg.actor.path)
-    targets = cfg.actor.lora.target_modules
-    modules = LINEAR if "all-linear" in targets else [m for m in targets if m in LINEAR]
-    return dims["layers"] * cfg.actor.lora.rank * sum(sum(dims[m]) for m in modules)
+    return None if dims is None else _trained(dims, cfg.actor.lora)
 
 
 def parameter_count(model: str | None) -> int | None:
     """About how many parameters a decoder-only model of a Hugging Face config.json has, or None."""
     dims = _dims(model)
-    if dims is None:
-        return None
-    per_layer = sum(a * b for a, b in (dims[m] for m in LINEAR))
-    return dims["layers"] * per_layer + dims["embeddings"]
+    return None if dims is None else _total(dims)
+
+
+def _trained(dims: dict, lora) -> int:
+    if not lora.rank:
+        return _total(dims)
+    modules = (
+        LINEAR if "all-linear" in lora.target_modules else [m for m in lora.target_modules if m in LINEAR]
+    )
+    return dims["layers"] * lora.rank * sum(sum(dims[m]) for m in modules)
+
+
+def _total(dims: dict) -> int:
+    return dims["layers"] * sum(a * b for a, b in (dims[m] for m in LINEAR)) + dims["embeddings"]
 
 
 def _dims(model: str | None) -> dict | None:
