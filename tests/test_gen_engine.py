@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from areal_hpc.control import timeline
+from areal_hpc.gen.backends.builtin import engine as engine_module
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
 from areal_hpc.gen.backends.builtin.sampling import BLOCK, SlotSampling, draw, filter_top_k_top_p, uniforms
@@ -246,3 +249,35 @@ def test_sampling_params_validation_names_the_field():
     with pytest.raises(RequestError, match=r"sampling_params.bogus: unsupported"):
         SamplingParams.from_dict({"bogus": 1})
     assert SamplingParams.from_dict({"max_new_tokens": None, "stop_token_ids": [2]}).stop_token_ids == (2,)
+
+
+def test_a_burst_of_requests_to_an_idle_engine_shares_one_prefill(tiny_model_dir, monkeypatch):
+    """A rollout sends its groups together: an idle engine waits until they stop arriving, so they are
+    prefilled together and end together (the rollout lasts as long as its last group)."""
+    monkeypatch.setattr(engine_module, "SETTLE_QUIET_S", 0.5)  # wide, so a slow CI machine keeps it a burst
+    monkeypatch.setattr(engine_module, "SETTLE_MAX_S", 5.0)
+    engine = Engine(str(tiny_model_dir), seed=0, max_batch_size=4).start()
+    try:
+        first = engine.submit([[5, 6, 7]], SamplingParams(**GREEDY))
+        time.sleep(0.05)  # long enough for an engine that did not wait to prefill the first alone
+        second = engine.submit([[8, 9]], SamplingParams(**GREEDY))
+        first.wait(60), second.wait(60)
+        assert engine.info()["stats"]["prefill_passes"] == 1
+    finally:
+        engine.stop()
+
+
+def test_the_engine_records_its_prefills_and_a_decode_span_per_batch(engine, tmp_path):
+    """The timeline shows each prefill and one span for each stretch of decode steps at the same rows."""
+    timeline.record(tmp_path / "gen_server0.jsonl")
+    try:
+        run(engine, [[5, 6, 7]], **{**GREEDY, "n": 2})
+    finally:
+        timeline.stop()
+    events = [json.loads(line) for line in (tmp_path / "gen_server0.jsonl").read_text().splitlines()]
+    prefills = [e for e in events if e["name"] == "prefill"]
+    decodes = [e for e in events if e["name"] == "decode"]
+    assert [(e["rows"], e["tokens"]) for e in prefills] == [(2, 3)]
+    # The prefill samples each row's first token; 11 decode steps at 2 rows sample the rest.
+    assert [(e["rows"], e["steps"]) for e in decodes] == [(2, 11)]
+    assert decodes[0]["ts"] >= prefills[0]["ts"] + prefills[0]["dur"] and decodes[0]["dur"] > 0

@@ -110,6 +110,12 @@ def span(name: str, **args: Any) -> Iterator[dict[str, Any]]:
         recorder.add({"name": name, "ts": start, "dur": time.perf_counter() - clock, **args})
 
 
+def event(name: str, start: float, dur: float, **args: Any) -> None:
+    """A span timed by its caller (start: Unix seconds): one event for what happened many times over."""
+    if _recorder is not None:
+        _recorder.add({"name": name, "ts": start, "dur": dur, **args})
+
+
 def instant(name: str, **args: Any) -> None:
     if _recorder is not None:
         _recorder.add({"name": name, "ts": time.time(), **args})

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's; no tags: all of them
 CONTROL_TIMEOUT_S = 120.0
+# An idle engine admits a burst of requests once none came for SETTLE_QUIET_S (at most SETTLE_MAX_S after it
+# woke): the groups a rollout sends together then share one prefill and end together.
+SETTLE_QUIET_S, SETTLE_MAX_S = 0.005, 0.05
 
 
 @dataclass
@@ -126,6 +129,7 @@ class Engine:
         self._controls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._paused = self._stopping = False
         self._draining = False  # a weight update waits for running rows: admit none meanwhile
+        self._last_submit = 0.0  # time.monotonic() of the last request queued
         self._released: set[str] = set()  # memory tags given back (colocated: the trainers use it meanwhile)
         self._stale = False  # the weights' memory came back without its contents: serve none until an update
         self._update_lock = threading.Lock()  # one weight load at a time
@@ -200,6 +204,7 @@ class Engine:
                 row.owner = request
             self._requests[rid] = request
             self._waiting.extend(rows)
+            self._last_submit = time.monotonic()
             self._cond.notify_all()
         return request
 
@@ -493,6 +498,8 @@ class Engine:
             if self._paused:
                 self._finish(self._sched.flush())
                 return
+            if not self._sched.rows:
+                self._settle()
             free = 0 if self._draining else max(self.max_batch_size - len(self._sched.rows), 0)
             candidates = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         finished, left = self._sched.admit(candidates) if candidates else ([], [])
@@ -500,6 +507,16 @@ class Engine:
         with self._cond:  # rows the pool cannot hold now wait first in line, retracted ones before them
             self._waiting.extendleft(reversed(retracted + left))
         self._finish(finished + stepped)
+
+    def _settle(self) -> None:
+        """Wait (the lock held, released while waiting) until requests stop arriving: without it the first
+        request of a burst is prefilled alone, the rest join steps later and end as much later."""
+        deadline = time.monotonic() + SETTLE_MAX_S
+        while not (self._stopping or self._controls or self._paused):
+            wait = min(self._last_submit + SETTLE_QUIET_S, deadline) - time.monotonic()
+            if wait <= 0:
+                return
+            self._cond.wait(wait)
 
     def _run_controls(self) -> None:
         with self._cond:

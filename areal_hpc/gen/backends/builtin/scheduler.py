@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from areal_hpc.control import timeline
 from areal_hpc.gen.backends.builtin.paged_decode import PAGE
 from areal_hpc.gen.backends.builtin.pages import Pages
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams
@@ -112,6 +113,7 @@ class Scheduler:
         self._pending: tuple[Fetched, list[tuple[Row, int]]] | None = None
         self._admissions = 0
         self._blocked = -1  # pages available when admission last failed: no retry until more are
+        self._stretch: list | None = None  # [start, rows, steps] of the decode steps since the rows changed
         # Routed experts are recorded by the forward that computes a token: a cached prefix has none to give.
         self.reuse = runner.routed_shape is None
 
@@ -187,6 +189,12 @@ class Scheduler:
         return Group(context, len(cached) * PAGE, [r.slot for r in taken], [r.pages for r in taken]), taken
 
     def _prefill(self, groups: list[Group], members: list[list[Row]]) -> None:
+        with timeline.span(
+            "prefill", rows=sum(map(len, members)), tokens=sum(len(g.context) - g.start for g in groups)
+        ):
+            self._prefill_groups(groups, members)
+
+    def _prefill_groups(self, groups: list[Group], members: list[list[Row]]) -> None:
         start = time.monotonic()
         rows = [r for m in members for r in m]
         self.runner.sampling.set(
@@ -216,6 +224,7 @@ class Scheduler:
         start = time.monotonic()
         finished, retracted = self._grow()
         wanting = [r for r in self.rows if r.wants(self.limit)]
+        self._trace_decode(time.time(), len(wanting))
         launched = None
         if wanting:
             fetched = self.runner.decode(bucket(max(r.slot for r in self.rows) + 1, self.capacity))
@@ -227,6 +236,17 @@ class Scheduler:
         if launched:
             self._count(wanting, prefill=False, secs=time.monotonic() - start)
         return finished, retracted
+
+    def _trace_decode(self, now: float, rows: int) -> None:
+        """The timeline gets one ``decode`` span for each stretch of steps at the same rows (its rows and
+        steps give the time a step took), not an event a step."""
+        stretch = self._stretch
+        if stretch is not None and stretch[1] == rows:
+            stretch[2] += 1
+            return
+        if stretch is not None:
+            timeline.event("decode", stretch[0], now - stretch[0], rows=stretch[1], steps=stretch[2])
+        self._stretch = [now, rows, 1] if rows else None
 
     def _grow(self) -> tuple[list[Row], list[Row]]:
         """A page for each row whose next write starts one; when the pool has too few, the step in flight is
@@ -257,6 +277,7 @@ class Scheduler:
     def flush(self) -> list[Row]:
         """Read the step in flight (before rows are admitted or aborted); returns the rows it finished."""
         pending, self._pending = self._pending, None
+        self._trace_decode(time.time(), 0)
         return self._collect(pending)
 
     def flush_cache(self) -> int:

@@ -66,6 +66,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from areal_hpc.control import timeline
 from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec
 from areal_hpc.gen.backends.builtin.engine import Engine, Request
@@ -154,9 +155,11 @@ class App:
                 self.engine.abort(request.rid)
             raise
         outputs = [out for request in requests for out in self._wait(request)]
-        results = [
-            format_output(o, self.decode, req.return_logprob, req.return_text_in_logprobs) for o in outputs
-        ]
+        with timeline.span("respond", overlap=True, samples=len(outputs)):
+            results = [
+                format_output(o, self.decode, req.return_logprob, req.return_text_in_logprobs)
+                for o in outputs
+            ]
         return 200, results if req.batched else results[0]
 
     def _wait(self, request: Request) -> list:
