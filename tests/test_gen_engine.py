@@ -13,7 +13,15 @@ from areal_hpc.control import timeline
 from areal_hpc.gen.backends.builtin import engine as engine_module
 from areal_hpc.gen.backends.builtin.engine import Engine
 from areal_hpc.gen.backends.builtin.protocol import RequestError, SamplingParams
-from areal_hpc.gen.backends.builtin.sampling import BLOCK, SlotSampling, draw, filter_top_k_top_p, uniforms
+from areal_hpc.gen.backends.builtin.sampling import (
+    BLOCK,
+    Scaled,
+    SlotSampling,
+    block_stats,
+    draw,
+    filter_top_k_top_p,
+    uniforms,
+)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -74,6 +82,30 @@ def test_sample_greedy_sampled_and_banned_before_min_new_tokens():
     assert sampling.sample(logits, slice(0, 3))[0][2] == banned  # one token made: the stop token is allowed
 
 
+def test_a_banned_rows_logprob_is_over_the_whole_vocabulary_each_stop_token_once():
+    """Row 0's one stop token is banned, its table padded to the neighbour's three ids by repeating it."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 40) * 4
+    logits[0, 3] = 9.0  # the banned token holds most of the mass
+    sampling = slot_sampling([SamplingParams(min_new_tokens=5), SamplingParams()], 40,
+                             stops=[frozenset({3}), frozenset({1, 2, 8})])  # fmt: skip
+    for _ in range(3):
+        tokens, logprobs = sampling.sample(logits, slice(0, 2))
+        assert tokens[0] != 3
+        assert torch.allclose(logprobs, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(-1))
+
+
+def test_the_block_statistics_give_the_max_its_first_token_and_the_mass_of_each_block():
+    logits = torch.randn(3, 2 * BLOCK + 5)
+    logits[1, BLOCK : 2 * BLOCK] = float("-inf")  # an empty block
+    logits[2, 7] = logits[2, 9] = 50.0  # a tie: the first wins
+    blocks = block_stats(Scaled.of(logits))
+    x = torch.nn.functional.pad(logits, (0, BLOCK - 5), value=float("-inf")).view(3, 3, BLOCK)
+    assert torch.equal(blocks.max, x.amax(-1)) and blocks.arg[2, 0] == 7 and blocks.sum[1, 1] == 0
+    mass = (blocks.sum * blocks.max.exp()).sum(-1).log()
+    assert torch.allclose(mass, logits.logsumexp(-1))
+
+
 def test_sampling_follows_the_distribution_and_its_seed():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3)
     draw = lambda seed: slot_sampling(  # noqa: E731
@@ -120,12 +152,10 @@ def test_the_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
     u = torch.rand(2000, generator=gen, dtype=torch.float64)
     cdf = allowed.double().softmax(-1).cumsum(-1)
     expected = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
-    got = draw(allowed, u)
+    got = draw(Scaled.of(allowed), u)
     assert torch.equal(got, expected)
     assert allowed.gather(1, got[:, None]).isfinite().all()
-    edges = draw(
-        allowed[:3].expand(2, -1, -1).reshape(6, -1), torch.tensor([0.0, 0.0, 0.0] + [1 - 2**-53] * 3)
-    )
+    edges = draw(Scaled.of(allowed[:3].repeat(2, 1)), torch.tensor([0.0, 0.0, 0.0] + [1 - 2**-53] * 3))
     assert allowed[:3].repeat(2, 1).gather(1, edges[:, None]).isfinite().all()  # u at 0 and just below 1
 
 

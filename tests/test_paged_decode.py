@@ -65,13 +65,15 @@ def test_reference_keeps_dtype_and_ignores_extra_table_rows():
 def test_splits_for_bounds():
     assert splits_for(1, 4, 1000, 132) == 66  # one long row: split to fill ~2 waves
     assert splits_for(256, 4, 200, 132) == 1  # many rows fill the GPU by themselves
+    assert splits_for(128, 2, 200, 132) == 1  # the colocated 1.5B step's 128 rows, one wave
+    assert splits_for(64, 2, 200, 132) == 3
     assert splits_for(1, 4, 3, 132) == 3  # never more splits than pages
     assert splits_for(1, 1, 0, 132) == 1  # and always at least one
     for batch in (1, 2, 7, 64, 256):
         for max_pages in (1, 5, 1000):
             s = splits_for(batch, 2, max_pages, 132)
             assert 1 <= s <= max(1, max_pages)
-            assert s == max_pages or batch * 2 * s >= 2 * 132 or s == 1
+            assert s == max_pages or batch * 2 * s >= 2 * 132 or (s == 1 and batch * 2 >= 132)
 
 
 def test_available_is_false_on_cpu():

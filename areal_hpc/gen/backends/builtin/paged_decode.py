@@ -32,10 +32,13 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def splits_for(batch: int, kv_heads: int, max_pages: int, sms: int) -> int:
-    """How many key ranges (flash-decoding splits) a step of `batch` rows uses: enough programs to fill the GPU
-    (~2 waves of `sms`), at least 1, at most max_pages. Pure function, used at CUDA-graph capture (static per
-    batch size)."""
+    """How many key ranges (flash-decoding splits) a step of `batch` rows uses: none when its programs fill the
+    GPU's `sms` by themselves (a split costs a merge kernel and its partial sums: at 128 rows of a 1.5B on an
+    H100, one split read 2.35 TB/s and two 2.10), else enough for ~2 waves; at most max_pages. Pure function,
+    used at CUDA-graph capture (static per batch size)."""
     programs = max(1, batch * kv_heads)
+    if programs >= sms:
+        return 1
     return max(1, min(max_pages, -(-2 * sms // programs)))
 
 
