@@ -104,6 +104,9 @@ def test_address_file_and_info(server, client):
     assert info["is_generation"] and info["weight_version"] == "0"
     assert Path(info["model_path"]).name == "model" and info["tokenizer_path"] == info["model_path"]
     assert client.server_info()["max_running_requests"] == 16
+    assert (
+        client.server_info()["gc"]["frozen_objects"] > 10_000
+    )  # torch's and the model's, never scanned again
 
 
 def test_generate_from_input_ids_and_from_text(client, tiny_tokenizer):

@@ -4,6 +4,7 @@ track per role and rank, the table summing to the step) and test_recover_local.p
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -44,6 +45,16 @@ def two_steps(run: RunDir) -> None:
         ("train_step", 114, 6, {"step": 2}),
     ])  # fmt: skip
     record(run, "gen_server0", 0, [("start", 99, None, {}), ("update_weights", 105, 1, {})])
+
+
+def test_a_full_garbage_collection_is_a_span(tmp_path):
+    timeline.record(tmp_path / "trainer0.jsonl")
+    try:
+        gc.collect()
+    finally:
+        timeline.stop()
+    lines = (tmp_path / "trainer0.jsonl").read_text().splitlines()
+    assert [e["name"] for e in map(json.loads, lines)] == ["start", "gc"]
 
 
 def test_a_span_is_recorded_once_the_process_records(tmp_path):

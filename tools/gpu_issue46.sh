@@ -10,6 +10,7 @@
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
 #   tools/gpu_issue46.sh decode      # the step's rollout alone (128 rows x 1,024): baseline's engine, today's profiled
 #   tools/gpu_issue46.sh paged       # the paged decode kernel (tools/gpu_check_paged.py) at the step's shape too
+#   tools/gpu_issue46.sh sampling    # a decode step's sampling (tools/bench_sampling.py) against the baseline's
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
 #   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
@@ -53,6 +54,10 @@ decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token promp
 }
 # Recover checkpoints off: three of a 3B (12 bytes a parameter) need 111 GB, the lent machine's disk holds 64.
 paged() { python3 tools/gpu_check_paged.py; }  # the decode kernel's splits sweep, the step's shape among them
+sampling() {  # a decode step's sampling at 128 rows of Qwen's vocabulary, against the baseline's; its kernel checked
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k sampling_kernel
+  python3 tools/bench_sampling.py --baseline $BASE/areal_hpc/gen/backends/builtin/sampling.py --out $OUT/sampling.json
+}
 3b() { check 3b . --shape 3b $MB --set recover_mode=disabled; }
 offload() {  # the page-locked, queued copies of the Adam state against one pageable copy at a time
   PYTHONPATH=/tmp/site:$PWD/$BASE python3 $BASE/tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
@@ -74,5 +79,5 @@ long() {
   PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --shapes ${LONG_SHAPES:-1.5b,3b,7b} \
     --lengths ${LONG_LENGTHS:-16384,32768,65536,131072} --out $OUT/long.jsonl
 }
-run_parts "^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%|TB/s" "$@"
+run_parts "passed|failed|today|baseline:|launch|^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%|TB/s" "$@"
 exit $status

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import importlib
 import logging
 import os
@@ -127,7 +128,11 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
         # The controller beats for servers in a job of their own, the rollout role for the controller. A failure
         # is recorded (abort) before the heartbeat says "stopped", so that servers report its cause.
         with Heartbeat(run.heartbeats, name) if role in SINGLE_ROLES else contextlib.nullcontext():
-            importlib.import_module(ROLES[role]).run(ctx)
+            module = importlib.import_module(ROLES[role])
+            # What is loaded by now (torch's and the other modules' objects: most of the heap) is left out of
+            # every later garbage collection: a full one over it paused a server 0.4 s, its answers waiting.
+            gc.freeze()
+            module.run(ctx)
     except SystemExit:
         raise
     except Preempted as exc:  # no failure: the next attempt resumes from the checkpoint just written

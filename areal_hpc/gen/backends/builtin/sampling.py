@@ -247,26 +247,26 @@ if triton is not None:
         logits_ptr, scale_ptr, stops_ptr, banned_ptr, max_ptr, sum_ptr, arg_ptr, vocab, blocks, stride,
         BLOCK_: tl.constexpr, PER: tl.constexpr, STOPS: tl.constexpr,
     ):  # fmt: skip
+        """Program (row, j): blocks j * PER .. j * PER + PER - 1 of the row, as one [PER, BLOCK_] tile."""
         row = tl.program_id(0)
         scale = tl.load(scale_ptr + row)
         banned = tl.load(banned_ptr + row) != 0
-        for i in tl.static_range(PER):
-            b = tl.program_id(1) * PER + i
-            index = b * BLOCK_ + tl.arange(0, BLOCK_)
-            x = tl.load(logits_ptr + row * stride + index, mask=index < vocab, other=float("-inf"))
-            x = x.to(tl.float32) * scale
-            for j in tl.static_range(STOPS):
-                x = tl.where(banned & (index == tl.load(stops_ptr + row * STOPS + j)), float("-inf"), x)
-            top = tl.max(x, axis=0)
-            arg = tl.argmax(x, axis=0, tie_break_left=True)
-            total = tl.where(top == float("-inf"), 0.0, tl.sum(tl.exp(x - top), axis=0))
-            if b < blocks:
-                tl.store(max_ptr + row * blocks + b, top)
-                tl.store(sum_ptr + row * blocks + b, total)
-                tl.store(arg_ptr + row * blocks + b, b * BLOCK_ + arg)
+        b = tl.program_id(1) * PER + tl.arange(0, PER)
+        index = b[:, None] * BLOCK_ + tl.arange(0, BLOCK_)[None, :]
+        x = tl.load(logits_ptr + row * stride + index, mask=index < vocab, other=float("-inf"))
+        x = x.to(tl.float32) * scale
+        for j in tl.static_range(STOPS):
+            x = tl.where(banned & (index == tl.load(stops_ptr + row * STOPS + j)), float("-inf"), x)
+        top = tl.max(x, axis=1)
+        arg = tl.argmax(x, axis=1, tie_break_left=True)
+        total = tl.where(top == float("-inf"), 0.0, tl.sum(tl.exp(x - top[:, None]), axis=1))
+        out = row * blocks + b
+        tl.store(max_ptr + out, top, mask=b < blocks)
+        tl.store(sum_ptr + out, total, mask=b < blocks)
+        tl.store(arg_ptr + out, b * BLOCK_ + arg, mask=b < blocks)
 
 
-BLOCKS_PER_PROGRAM = 8
+LAUNCH = {"per": 8, "warps": 4}  # blocks a program reads and its warps (tools/bench_sampling.py sweeps them)
 
 
 def _block_stats_triton(scaled: Scaled) -> Blocks:
@@ -278,10 +278,9 @@ def _block_stats_triton(scaled: Scaled) -> Blocks:
         logits.new_empty(rows, blocks, dtype=torch.float32),
         logits.new_empty(rows, blocks, dtype=torch.long),
     )
-    stops = scaled.stops.contiguous()
-    grid = (rows, -(-blocks // BLOCKS_PER_PROGRAM))
-    _block_stats_kernel[grid](
+    stops, per = scaled.stops.contiguous(), LAUNCH["per"]
+    _block_stats_kernel[(rows, -(-blocks // per))](
         logits, scaled.scale.float().contiguous(), stops, scaled.banned.to(torch.int8), *out,
-        vocab, blocks, logits.stride(0), BLOCK_=BLOCK, PER=BLOCKS_PER_PROGRAM, STOPS=stops.shape[1],
+        vocab, blocks, logits.stride(0), BLOCK_=BLOCK, PER=per, STOPS=stops.shape[1], num_warps=LAUNCH["warps"],
     )  # fmt: skip
     return out

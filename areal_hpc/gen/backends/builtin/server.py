@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hmac
 import json
 import logging
@@ -314,7 +315,13 @@ class App:
         }
 
     def server_info(self, body: dict) -> tuple[int, Any]:
-        return 200, {**self.server_args, **self.engine.info(), "backend": "areal_hpc-builtin"}
+        # Objects garbage collections skip (frozen at start) and the full collections run: a full one stops
+        # every thread of the server, its engine too.
+        gc_info = {
+            "frozen_objects": gc.get_freeze_count(),
+            "full_collections": gc.get_stats()[2]["collections"],
+        }
+        return 200, {**self.server_args, **self.engine.info(), "gc": gc_info, "backend": "areal_hpc-builtin"}
 
 
 def _field(body: dict, key: str, kind: type) -> Any:
@@ -442,6 +449,7 @@ class BuiltinServer:
             max_total_tokens=spec.max_total_tokens, return_routed_experts=spec.enable_return_routed_experts,
             max_lora_rank=spec.max_lora_rank, lora_targets=spec.lora_target_modules,
         ).start()  # fmt: skip
+        gc.freeze()  # the model's and tokenizer's objects too: no garbage collection scans them again
         args = {k: v for k, v in dataclasses.asdict(spec).items() if k != "token_file"}
         args.update(
             dtype=str(self.engine.dtype).removeprefix("torch."), context_length=self.engine.context_len
