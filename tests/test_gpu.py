@@ -101,6 +101,27 @@ def test_each_batch_size_is_captured_once_until_the_memory_is_released(tiny_mode
         engine.stop()
 
 
+def test_a_row_admitted_with_more_stop_ids_is_banned_them_by_the_graphs_that_sample(tiny_model_dir):
+    """Decode graphs sample too, reading the slots' stop table: a row whose stop ids widen that table (half the
+    vocabulary, banned before min_new_tokens) joins running rows, and every one of its first 20 tokens is
+    allowed, where graphs reading the old table would have let one end it at once."""
+    from areal_hpc.gen.backends.builtin.engine import Engine
+    from areal_hpc.gen.backends.builtin.protocol import SamplingParams
+
+    engine = Engine(str(tiny_model_dir), device="cuda", seed=0, max_batch_size=8).start()
+    try:
+        running = engine.submit([[5, 6, 7]], SamplingParams(max_new_tokens=200, n=4, ignore_eos=True))
+        while len(running.rows[0].output_ids) < 8:
+            time.sleep(0.01)
+        stops = tuple(range(1, 512))
+        params = SamplingParams(max_new_tokens=40, min_new_tokens=20, stop_token_ids=stops, temperature=1.0)
+        out = engine.submit([[9, 10, 11]], params).wait(120)[0]
+        assert len(out.output_ids) >= 20 and not set(out.output_ids[:20]) & set(stops)
+        running.wait(120)
+    finally:
+        engine.stop()
+
+
 def test_a_server_copies_weights_a_process_shares_from_its_gpu(tiny_model_dir, tmp_path):
     """weight_update_mode tensor: the server opens this process's CUDA memory (IPC) and copies from it."""
     secret, address = tmp_path / "secret", tmp_path / "address.json"

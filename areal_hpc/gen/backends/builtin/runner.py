@@ -21,6 +21,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,11 +132,12 @@ class Runner:
         if self.cuda and not self.kernel:
             log.warning("the paged decode kernel needs triton on an sm80+ GPU: decode attention gathers keys")
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count if self.cuda else 1
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}  # by (rows, sampled)
         # graph_captures and graph_capture_secs (the scheduler's counters join them, for /server_info): a
         # release of the memory drops every graph, so a colocated server captures its buckets again each step.
         self.stats: Counter[str] = Counter()
         self._pool = None
+        self._widened = 0  # the sampling's stop-table reallocations the graphs have seen
         self._rows = torch.arange(slots, device=device)
         pinned = self.cuda
         self._out = [
@@ -232,12 +234,16 @@ class Runner:
     @torch.inference_mode()
     def decode(self, batch: int) -> Fetched:
         """One token for each of slots 0..batch-1 (free ones compute and are ignored); the results are fetched
-        asynchronously."""
-        logits = self._replay(batch) if self.use_graphs else self._decode_logits(batch)
-        tokens, logprobs = self.sampling.sample(logits, slice(0, batch))
-        self.tokens[:batch] = tokens
-        last = self.width * PAGE - 1
-        self.positions[:batch] = (self.positions[:batch] + self.live[:batch]).clamp_(max=last)
+        asynchronously. On a GPU the step's sampling is in its graph too (its ~100 small kernels launched
+        one by one kept the device waiting on the host), unless a row filters by top-k or top-p."""
+        if self.sampling.widened != self._widened:  # graphs that sample read the stop table they captured
+            self.graphs = {key: g for key, g in self.graphs.items() if not key[1]}
+            self._widened = self.sampling.widened
+        if self.use_graphs and not self.sampling.filters(slice(0, batch)):
+            tokens, logprobs = self._replay(batch, sample=True)
+        else:
+            logits = self._replay(batch, sample=False) if self.use_graphs else self._decode_logits(batch)
+            tokens, logprobs = self._advance(batch, logits)
         flip, self._flip = self._flip, self._flip ^ 1
         out_tokens, out_logprobs = (t[:batch] for t in self._out[flip])
         out_tokens.copy_(tokens, non_blocking=True)
@@ -251,6 +257,18 @@ class Runner:
             event = torch.cuda.Event()
             event.record()
         return Fetched(out_tokens, out_logprobs, event, routed)
+
+    def _advance(self, batch: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample the step's tokens and make them the next step's input."""
+        tokens, logprobs = self.sampling.sample(logits, slice(0, batch))
+        self.tokens[:batch] = tokens
+        last = self.width * PAGE - 1
+        self.positions[:batch] = (self.positions[:batch] + self.live[:batch]).clamp_(max=last)
+        return tokens, logprobs
+
+    def _decode_step(self, batch: int, sample: bool) -> Any:
+        logits = self._decode_logits(batch)
+        return self._advance(batch, logits) if sample else logits
 
     def _decode_logits(self, batch: int) -> torch.Tensor:
         positions, table = self.positions[:batch], self.table[:batch]
@@ -279,27 +297,33 @@ class Runner:
         record = self._routed[:batch] if self.routed_shape else None
         return self.decoder.forward(self.tokens[:batch], positions, attend, static=True, record=record)
 
-    def _replay(self, batch: int) -> torch.Tensor:
-        """The decode logits of ``batch`` slots through that bucket's CUDA graph, captured at first use."""
-        if batch not in self.graphs:
+    def _replay(self, batch: int, sample: bool) -> Any:
+        """A decode step of ``batch`` slots through its CUDA graph, captured at first use: its logits, or with
+        ``sample`` its tokens and logprobs (the next step's input written)."""
+        key = (batch, sample)
+        if key not in self.graphs:
             start = time.monotonic()
-            with timeline.span("capture_graph", rows=batch):
-                # Warm up outside the graph; re-running a step writes the same keys and values: harmless.
+            with timeline.span("capture_graph", rows=batch, sample=sample):
+                # Warm up outside the graph (compiling what it runs); re-running a step writes the same keys
+                # and values, and what sampling advances is put back.
+                state = [t.clone() for t in (self.sampling.count, self.tokens, self.positions)]
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    self._decode_logits(batch)
+                    self._decode_step(batch, sample)
                 torch.cuda.current_stream().wait_stream(stream)
+                for t, saved in zip((self.sampling.count, self.tokens, self.positions), state, strict=True):
+                    t.copy_(saved)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    logits = self._decode_logits(batch)
+                    out = self._decode_step(batch, sample)
             self._pool = graph.pool()
-            self.graphs[batch] = (graph, logits)
+            self.graphs[key] = (graph, out)
             self.stats["graph_captures"] += 1
             self.stats["graph_capture_secs"] += time.monotonic() - start
-        graph, logits = self.graphs[batch]
+        graph, out = self.graphs[key]
         graph.replay()
-        return logits
+        return out
 
     # --- slots ---------------------------------------------------------------------------------------------
 

@@ -156,6 +156,7 @@ class SlotSampling:
         self.top_k, self.seed, self.count, self.min_new = (zeros(torch.long) for _ in range(4))
         self.stop_ids = torch.zeros(slots, 1, dtype=torch.long, device=device)  # padded with a row's own id
         self.filtered: set[int] = set()  # slots whose rows use top-k or top-p: the step takes the sort path
+        self.widened = 0  # times the stop table was reallocated: a graph that samples reads the old one
 
     def set(
         self,
@@ -181,6 +182,7 @@ class SlotSampling:
         if width > self.stop_ids.shape[1]:  # running rows repeat their own first id: zeros would ban token 0
             extra = self.stop_ids[:, :1].expand(-1, width - self.stop_ids.shape[1])
             self.stop_ids = torch.cat([self.stop_ids, extra], dim=1)
+            self.widened += 1
         put(self.stop_ids, [r + [r[0]] * (width - len(r)) for r in rows])
         for slot, p in zip(slots, params, strict=True):
             (self.filtered.add if p.top_k > 0 or p.top_p < 1.0 else self.filtered.discard)(slot)
@@ -210,7 +212,7 @@ class SlotSampling:
                         count < self.min_new[slots])  # fmt: skip
         blocks = block_stats(scaled)
         lse = _logsumexp(scaled, blocks)
-        if self._filters(slots):
+        if self.filters(slots):
             scaled = Scaled.of(filter_top_k_top_p(scaled.dense(), self.top_k[slots], self.top_p[slots]))
             blocks = block_stats(scaled)
         best = blocks.arg.gather(1, blocks.max.argmax(dim=-1, keepdim=True)).squeeze(-1)
@@ -219,7 +221,8 @@ class SlotSampling:
         # A drawn token is never banned nor filtered out: its value here is its scaled logit.
         return tokens, scaled.at(tokens[:, None]).squeeze(-1) - lse
 
-    def _filters(self, slots: torch.Tensor | slice) -> bool:
+    def filters(self, slots: torch.Tensor | slice) -> bool:
+        """Whether a row of ``slots`` uses top-k or top-p (a prefill's slots: whether any row does)."""
         if not self.filtered:
             return False
         if isinstance(slots, slice):
