@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from areal_hpc.cli import main
-from areal_hpc.launch.storage import storage_problems, trained_parameter_count
+from areal_hpc.launch.storage import parameter_count, storage_problems, trained_parameter_count
 from tests.helpers import REPO_ROOT
 
 TOY = str(REPO_ROOT / "configs" / "toy-cpu.yaml")
@@ -126,3 +126,17 @@ def test_a_file_root_that_cannot_rename_over_a_file_is_refused(toy, monkeypatch)
         f"'cluster.fileroot': {toy.fileroot} cannot hold the run directory: writing and"
     )
     assert list(toy.fileroot.glob(".areal-probe-*")) == []  # the probe's files are gone
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"num_attention_heads": 0}, {"hidden_size": "1536"}, {"vocab_size": True}, {"num_key_value_heads": -2}],
+)
+def test_a_hostile_model_config_sizes_nothing_instead_of_crashing_the_preflight(tmp_path, bad):
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert parameter_count(str(tmp_path)) == 2 * (2 * 64 * 64 + 2 * 64 * 64 + 3 * 64 * 256) + 2 * 100 * 64
+    (tmp_path / "config.json").write_text(json.dumps(config | bad))
+    assert parameter_count(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert parameter_count(str(tmp_path)) is None

@@ -14,5 +14,8 @@ run_parts() {
     start=$(date +%s)
     $part 2>&1 | tee $OUT/$part.log | grep -E "$pattern" || { echo "FAILED: $part"; status=1; }
     echo "=== $part: $(( $(date +%s) - start )) s"
+    # BACK: the device tool's $OUT, which returns at most 8 files, and those a killed call left: after each part
+    # everything so far, packed (run with OUT=/tmp/out BACK=$OUT).
+    [ -z "$BACK" ] || tar czf "$BACK/r.tgz" -C "$OUT" .
   done
 }

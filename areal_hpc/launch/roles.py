@@ -130,7 +130,7 @@ def role_main(run_dir: str | os.PathLike, role: str) -> int:
         with Heartbeat(run.heartbeats, name) if role in SINGLE_ROLES else contextlib.nullcontext():
             module = importlib.import_module(ROLES[role])
             # What is loaded by now (torch's and the other modules' objects: most of the heap) is left out of
-            # every later garbage collection: a full one over it paused a server 0.4 s, its answers waiting.
+            # every later garbage collection: a full one over it stopped a server 0.4 s, its answers waiting.
             gc.freeze()
             module.run(ctx)
     except SystemExit:

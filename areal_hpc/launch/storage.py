@@ -114,14 +114,25 @@ def _total(dims: dict) -> int:
 
 def _dims(model: str | None) -> dict | None:
     """(inputs, outputs) of each linear module of a layer, the layers and the embeddings' parameters of a
-    decoder-only model's config.json; None if there is none readable."""
+    decoder-only model's config.json; None if there is none readable, or a dimension is not a positive integer
+    (the model's loading names such a file; the storage check then sizes nothing)."""
     try:
         hf = json.loads((Path(model).expanduser() / "config.json").read_text())
-        h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
-    except (TypeError, OSError, ValueError, KeyError):
+    except (TypeError, OSError, ValueError):
         return None
-    heads = hf.get("num_attention_heads", 1)
-    q, kv, inter = h, h // heads * hf.get("num_key_value_heads", heads), hf.get("intermediate_size", 4 * h)
+    if not isinstance(hf, dict):
+        return None
+
+    def count(key: str, default: object = None) -> int | None:
+        value = hf.get(key, default)
+        return value if type(value) is int and value > 0 else None
+
+    h, layers, vocab = count("hidden_size"), count("num_hidden_layers"), count("vocab_size")
+    heads = count("num_attention_heads", 1)
+    kv_heads, inter = count("num_key_value_heads", heads), count("intermediate_size", 4 * (h or 0))
+    if None in (h, layers, vocab, heads, kv_heads, inter):
+        return None
+    q, kv = h, h // heads * kv_heads
     return {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),

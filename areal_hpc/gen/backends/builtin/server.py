@@ -72,7 +72,12 @@ from areal_hpc.gen import discovery
 from areal_hpc.gen.backends import ServerSpec
 from areal_hpc.gen.backends.builtin.engine import Engine, Request
 from areal_hpc.gen.backends.builtin.lora import ALL
-from areal_hpc.gen.backends.builtin.protocol import RequestError, format_output, parse_generate
+from areal_hpc.gen.backends.builtin.protocol import (
+    RequestError,
+    SamplingParams,
+    format_output,
+    parse_generate,
+)
 from areal_hpc.weights import FLATTENED, AdapterError, FieldError, ReceiverGroups, metas_from_fields, shared
 
 log = logging.getLogger(__name__)
@@ -449,7 +454,13 @@ class BuiltinServer:
             max_total_tokens=spec.max_total_tokens, return_routed_experts=spec.enable_return_routed_experts,
             max_lora_rank=spec.max_lora_rank, lora_targets=spec.lora_target_modules,
         ).start()  # fmt: skip
-        gc.freeze()  # the model's and tokenizer's objects too: no garbage collection scans them again
+        if spec.device.startswith("cuda"):  # compile and capture now, not in the first rollout
+            self.engine.submit([[0, 1, 2]], SamplingParams(max_new_tokens=2, n=2, ignore_eos=True)).wait(600)
+        # What is loaded and compiled by now (the model, the tokenizer, torch.compile's and Triton's caches) is
+        # left out of every later garbage collection: a full one over it stopped a server for 0.1-0.5 s as a
+        # rollout's answers went out. No request is left (a frozen one's cycles would never be collected).
+        gc.collect()
+        gc.freeze()
         args = {k: v for k, v in dataclasses.asdict(spec).items() if k != "token_file"}
         args.update(
             dtype=str(self.engine.dtype).removeprefix("torch."), context_length=self.engine.context_len
