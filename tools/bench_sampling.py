@@ -89,7 +89,8 @@ def main() -> None:
             key = f"{name}_{'graph' if graph else 'eager'}_ms"
             result[key] = ms_per_call(module, logits, args.calls, graph)
         print(
-            f"{name}: {result[f'{name}_graph_ms']:.3f} ms a call in a graph, {result[f'{name}_eager_ms']:.3f} eager"
+            f"{name}: {result[f'{name}_graph_ms']:.3f} ms a call in a graph, "
+            f"{result[f'{name}_eager_ms']:.3f} eager"
         )
     if args.baseline:
         result["speedup_graph"] = result["baseline_graph_ms"] / result["today_graph_ms"]

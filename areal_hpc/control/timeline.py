@@ -8,9 +8,9 @@ An event is one line of JSON: its name, start (Unix seconds), duration (seconds)
 marks a span that runs beside others of the same process (a generation request among hundreds in flight); the
 others nest. ``server=i`` names the generation server a span waits on (`areal-hpc trace` shows it on the
 server's track too). A full garbage collection is a ``gc`` span. Lines are buffered and appended by a daemon
-thread once a second and at exit, so an event costs a clock read, a dict and its JSON; a process that dies loses at most its last second, and a torn last line
-is skipped by the reader (monitor/trace.py). In a process that records nothing (tests, tools) a span costs a
-global lookup.
+thread once a second and at exit, so an event costs a clock read, a dict and its JSON; a process that dies loses
+at most its last second, and a torn last line is skipped by the reader (monitor/trace.py). In a process that
+records nothing (tests, tools) a span costs a global lookup.
 """
 
 from __future__ import annotations

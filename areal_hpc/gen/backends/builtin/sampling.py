@@ -84,9 +84,14 @@ class Scaled(NamedTuple):
     @classmethod
     def of(cls, logits: torch.Tensor) -> Scaled:
         """The logits as they are: scale 1, nothing banned."""
+        ones, zeros = logits.new_ones, logits.new_zeros
         rows = logits.shape[0]
-        return cls(logits, logits.new_ones(rows, dtype=torch.float32),
-                   logits.new_zeros(rows, 1, dtype=torch.long), logits.new_zeros(rows, dtype=torch.bool))  # fmt: skip
+        return cls(
+            logits,
+            ones(rows, dtype=torch.float32),
+            zeros(rows, 1, dtype=torch.long),
+            zeros(rows, dtype=torch.bool),
+        )
 
     def at(self, index: torch.Tensor) -> torch.Tensor:
         """The values at ``index`` [R, n]."""
