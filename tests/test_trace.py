@@ -23,6 +23,7 @@ from areal_hpc.monitor.trace import (
     steps_of,
     write_trace,
 )
+from tools import trace_rollout
 
 
 def record(run: RunDir, task: str, attempt: int, events: list[tuple[str, float, float | None, dict]]) -> None:
@@ -175,3 +176,22 @@ def test_tracing_a_run_without_a_timeline_or_profile_says_what_is_missing(tmp_pa
         write_trace(run, None, cuda=True)
     with pytest.raises(ValueError, match="no such finished step"):
         write_trace(run, None, "7:9")
+
+
+def test_a_servers_rollout_reads_as_prefills_decode_stretches_and_answers(tmp_path, capsys):
+    """tools/trace_rollout.py on a trace: the server's spans inside each controller rollout, in its seconds."""
+    run = RunDir(tmp_path)
+    record(run, "controller", 0, [("step", 100, 10, {"step": 1}), ("rollout", 100, 4, {})])
+    record(run, "gen_server0", 0, [
+        ("prefill", 100.01, 0.04, {"rows": 128, "tokens": 256}),
+        ("decode", 100.05, 3.5, {"rows": 128, "steps": 1000}),
+        ("gc", 103.6, 0.1, {"collected": 9}),
+        ("respond", 103.7, 0.005, {"samples": 8, "overlap": True}),
+    ])  # fmt: skip
+    events, _ = read_timeline(run.timeline)
+    path = tmp_path / "run.trace.json"
+    path.write_text(json.dumps(chrome_trace(events)))
+    [rollout] = trace_rollout.rollouts(json.loads(path.read_text()), "gen_server0")
+    assert [s["name"] for s in rollout["spans"]] == ["prefill", "decode", "gc"]
+    assert rollout["answers"] == [pytest.approx(3.7)]
+    assert "3.500 ms a step" in trace_rollout.describe(rollout["spans"][1], rollout["lo"])
