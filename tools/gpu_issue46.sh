@@ -37,6 +37,7 @@ check() {  # label, code dir, args...
 step() {
   check step-baseline $BASE --shape 1.5b $MB
   check step-today . --shape 1.5b $MB
+  python3 tools/trace_rollout.py $OUT/step-today.trace.json  # the server's side of each rollout
 }
 overhead() {  # against step-today, the same run with the timeline on (its default)
   check overhead-off . --shape 1.5b $MB --set logging.timeline=false
@@ -81,5 +82,5 @@ long() {
   PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --shapes ${LONG_SHAPES:-1.5b,3b,7b} \
     --lengths ${LONG_LENGTHS:-16384,32768,65536,131072} --out $OUT/long.jsonl
 }
-run_parts "passed|failed|today|baseline:|launch|^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%|TB/s" "$@"
+run_parts "passed|failed|today|baseline:|launch|rollout at|ms a step|answers sent| gc |^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%|TB/s" "$@"
 exit $status
