@@ -306,13 +306,14 @@ class Runner:
             with timeline.span("capture_graph", rows=batch, sample=sample):
                 # Warm up outside the graph (compiling what it runs); re-running a step writes the same keys
                 # and values, and what sampling advances is put back.
-                state = [t.clone() for t in (self.sampling.count, self.tokens, self.positions)]
+                advanced = (self.sampling.count, self.tokens, self.positions)
+                state = [t.clone() for t in advanced]
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     self._decode_step(batch, sample)
                 torch.cuda.current_stream().wait_stream(stream)
-                for t, saved in zip((self.sampling.count, self.tokens, self.positions), state, strict=True):
+                for t, saved in zip(advanced, state, strict=True):
                     t.copy_(saved)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):

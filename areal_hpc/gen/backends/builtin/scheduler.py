@@ -189,33 +189,29 @@ class Scheduler:
         return Group(context, len(cached) * PAGE, [r.slot for r in taken], [r.pages for r in taken]), taken
 
     def _prefill(self, groups: list[Group], members: list[list[Row]]) -> None:
-        with timeline.span(
-            "prefill", rows=sum(map(len, members)), tokens=sum(len(g.context) - g.start for g in groups)
-        ):
-            self._prefill_groups(groups, members)
-
-    def _prefill_groups(self, groups: list[Group], members: list[list[Row]]) -> None:
         start = time.monotonic()
         rows = [r for m in members for r in m]
-        self.runner.sampling.set(
-            [r.slot for r in rows],
-            [r.params for r in rows],
-            [r.seed for r in rows],
-            [r.stop_ids for r in rows],
-            [len(r.output_ids) for r in rows],  # a retracted row's stream goes on where it stopped
-        )
-        self.runner.set_pages([(r.slot, 0, r.pages) for r in rows])
-        done = self.runner.prefill(groups)
-        for j, group in enumerate(members):
-            for row in group:
-                if row.routed is not None and done.routed is not None:
-                    # The n samples of a prompt share its prefill; a retracted row's covers its output too.
-                    row.routed = [done.routed[j]]
-        for row, token, logprob in zip(rows, done.tokens, done.logprobs, strict=True):
-            row.append(token, logprob, self.limit)
+        tokens = sum(len(g.context) - g.start for g in groups)
+        with timeline.span("prefill", rows=len(rows), tokens=tokens):
+            self.runner.sampling.set(
+                [r.slot for r in rows],
+                [r.params for r in rows],
+                [r.seed for r in rows],
+                [r.stop_ids for r in rows],
+                [len(r.output_ids) for r in rows],  # a retracted row's stream goes on where it stopped
+            )
+            self.runner.set_pages([(r.slot, 0, r.pages) for r in rows])
+            done = self.runner.prefill(groups)
+            for j, group in enumerate(members):
+                for row in group:
+                    if row.routed is not None and done.routed is not None:
+                        # The n samples of a prompt share its prefill; a retracted row's covers its output too.
+                        row.routed = [done.routed[j]]
+            for row, token, logprob in zip(rows, done.tokens, done.logprobs, strict=True):
+                row.append(token, logprob, self.limit)
         self.rows = self.rows + rows
         self._count(rows, prefill=True, secs=time.monotonic() - start)
-        self.stats["prefill_tokens"] += sum(len(g.context) - g.start for g in groups)
+        self.stats["prefill_tokens"] += tokens
         self.stats["generated_tokens"] += len(rows)
 
     def step(self) -> tuple[list[Row], list[Row]]:
