@@ -15,7 +15,7 @@ run_parts() {
     $part 2>&1 | tee $OUT/$part.log | grep -E "$pattern" || { echo "FAILED: $part"; status=1; }
     echo "=== $part: $(( $(date +%s) - start )) s"
     # BACK: the device tool's $OUT, which returns at most 8 files, and those a killed call left: after each part
-    # everything so far, packed (run with OUT=/tmp/out BACK=$OUT).
+    # everything so far, packed (tools/gpu_call.sh sets both).
     [ -z "$BACK" ] || tar czf "$BACK/r.tgz" -C "$OUT" .
   done
 }

@@ -4,8 +4,8 @@
 #   mkdir -p .cache/baseline-46 && git archive 9dd158c areal_hpc tools configs | tar -x -C .cache/baseline-46 \
 #     && cp tools/gpu_check_colocated.py tools/bench_train.py .cache/baseline-46/tools/
 # Each part logs to $OUT/<part>.log; each run writes $OUT/<part>-<label>.json and, for today's code, its trace.
-# On the device tool: `OUT=/tmp/out BACK=$OUT timeout <under the device time left> bash tools/gpu_issue46.sh ...`
-# (BACK gets r.tgz, all of /tmp/out, after each part: what finished comes back from a call that is killed).
+# On the device tool: `bash tools/gpu_call.sh <seconds, under the device time left> PART...` (BACK, the tool's
+# $OUT, gets r.tgz, all of /tmp/out, after each part: what finished comes back from a call that is killed).
 #   tools/gpu_issue46.sh step        # the issue-32 step (1.5B, 16 x 8 x 1,024, tensor mode): baseline, today's
 #   tools/gpu_issue46.sh overhead    # today's with logging.timeline off (step-today has it on)
 #   tools/gpu_issue46.sh loglinear   # prox_logp_method loglinear (no recompute pass) against recompute
