@@ -331,7 +331,7 @@ def test_tied_weights_in_several_files(tmp_path, monkeypatch):
     assert len(list((tmp_path / "checkpoint").iterdir())) > 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_cuda_shards_stage_to_cpu_and_load_back(tmp_path):
     """DTensors on the GPU, a training group on NCCL: staged to page-locked shared memory, written by the
     writer process."""

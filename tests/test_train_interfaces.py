@@ -221,7 +221,8 @@ def optimizer_bytes(engine) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+# make test-gpu: a one-GPU machine skips it
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")]
 
 
 # Each rank cuts its part into micro-batches of its own size: a loss_agg_mode's normaliser must be the
