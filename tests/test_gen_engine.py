@@ -95,6 +95,20 @@ def test_a_banned_rows_logprob_is_over_the_whole_vocabulary_each_stop_token_once
         assert torch.allclose(logprobs, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(-1))
 
 
+def test_a_row_banning_several_stop_ids_draws_none_of_them_when_a_neighbour_widens_the_table():
+    """The stop ids hold almost all the mass; the table's rows are sorted and padded with their last id, and
+    the draw finds a banned token in it by search."""
+    logits = torch.zeros(2, 40)
+    logits[:, [2, 17, 30]] = 10.0
+    sampling = slot_sampling([SamplingParams(min_new_tokens=100), SamplingParams()], 40, seeds=[3, 4],
+                             stops=[frozenset({30, 2, 17}), frozenset({1, 2, 3, 4, 5})])  # fmt: skip
+    assert sampling.stop_ids[0].tolist() == [2, 17, 30, 30, 30]
+    for _ in range(50):
+        tokens, logprobs = sampling.sample(logits, slice(0, 2))
+        assert int(tokens[0]) not in (2, 17, 30)
+        assert torch.allclose(logprobs, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(-1))
+
+
 def test_the_block_statistics_give_the_max_its_first_token_and_the_mass_of_each_block():
     logits = torch.randn(3, 2 * BLOCK + 5)
     logits[1, BLOCK : 2 * BLOCK] = float("-inf")  # an empty block
@@ -279,6 +293,8 @@ def test_sampling_params_validation_names_the_field():
     with pytest.raises(RequestError, match=r"sampling_params.bogus: unsupported"):
         SamplingParams.from_dict({"bogus": 1})
     assert SamplingParams.from_dict({"max_new_tokens": None, "stop_token_ids": [2]}).stop_token_ids == (2,)
+    with pytest.raises(RequestError, match=r"sampling_params.stop_token_ids: at most 1024 ids, got 1025"):
+        SamplingParams.from_dict({"stop_token_ids": list(range(1025))})  # each step would read them all
 
 
 def test_a_burst_of_requests_to_an_idle_engine_shares_one_prefill(tiny_model_dir, monkeypatch):

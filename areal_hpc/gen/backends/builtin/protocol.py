@@ -26,6 +26,9 @@ class RequestError(ValueError):
 # SGLang's sampling parameters that change nothing at these values: accepted so, refused otherwise.
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0}
 CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's grammars; refused by name here
+# Every slot's stop table is as wide as the widest row's, and a banned row's sampling reads all of it: one
+# request with the whole vocabulary as stop ids would slow every row of the batch (SGLang sets no limit).
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,11 @@ class SamplingParams:
             sampling_seed=f.integer("sampling_seed", None, minimum=0, nullable=True),
             skip_special_tokens=f.boolean("skip_special_tokens", True),
         )
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(
+                f"{where}.stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}",
+            )
         if not 0.0 < params.top_p <= 1.0:
             raise RequestError(f"{where}.top_p", f"must be in (0, 1], got {params.top_p}")
         if params.top_k == 0:

@@ -74,11 +74,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 class Scaled(NamedTuple):
     """A batch's logits as a draw sees them, never written: ``logits * scale[:, None]`` in float32, with the
-    ``stops`` [R, k] of ``banned`` rows at -inf (a row's padding repeats its first stop id)."""
+    ``stops`` [R, k] of ``banned`` rows at -inf (each row's ids sorted, its padding repeating its last id)."""
 
     logits: torch.Tensor  # [R, V], any float dtype
     scale: torch.Tensor  # [R] float32
-    stops: torch.Tensor  # [R, k] token ids
+    stops: torch.Tensor  # [R, k] token ids, each row non-decreasing
     banned: torch.Tensor  # [R] bool
 
     @classmethod
@@ -96,14 +96,16 @@ class Scaled(NamedTuple):
     def at(self, index: torch.Tensor) -> torch.Tensor:
         """The values at ``index`` [R, n]."""
         x = self.logits.gather(1, index).float() * self.scale[:, None]
-        hit = (index[:, :, None] == self.stops[:, None, :]).any(dim=-1) & self.banned[:, None]
+        # A search of the sorted stops, where comparing with each would take [R, n, k] (k up to 1024).
+        at = torch.searchsorted(self.stops, index).clamp_(max=self.stops.shape[1] - 1)
+        hit = (self.stops.gather(1, at) == index) & self.banned[:, None]
         return x.masked_fill_(hit, float("-inf"))
 
     def dense(self) -> torch.Tensor:
         """All the values, [R, V] float32."""
         x = self.logits.float() * self.scale[:, None]
         ban = torch.where(self.banned[:, None], float("-inf"), x.gather(1, self.stops))
-        return x.scatter_(1, self.stops, ban)  # padding writes its row's first stop id again: the same value
+        return x.scatter_(1, self.stops, ban)  # padding writes its row's last stop id again: the same value
 
 
 class Blocks(NamedTuple):
@@ -159,7 +161,7 @@ class SlotSampling:
         zeros = lambda dtype: torch.zeros(slots, dtype=dtype, device=device)  # noqa: E731
         self.temperature, self.top_p = zeros(torch.float32), zeros(torch.float32)
         self.top_k, self.seed, self.count, self.min_new = (zeros(torch.long) for _ in range(4))
-        self.stop_ids = torch.zeros(slots, 1, dtype=torch.long, device=device)  # padded with a row's own id
+        self.stop_ids = torch.zeros(slots, 1, dtype=torch.long, device=device)  # sorted, padded with the last
         self.filtered: set[int] = set()  # slots whose rows use top-k or top-p: the step takes the sort path
         self.widened = 0  # times the stop table was reallocated: a graph that samples reads the old one
 
@@ -184,11 +186,11 @@ class SlotSampling:
         put(self.min_new, [p.min_new_tokens if r else 0 for p, r in zip(params, rows, strict=True)])
         rows = [r or [0] for r in rows]
         width = max(max(len(r) for r in rows), self.stop_ids.shape[1])
-        if width > self.stop_ids.shape[1]:  # running rows repeat their own first id: zeros would ban token 0
-            extra = self.stop_ids[:, :1].expand(-1, width - self.stop_ids.shape[1])
+        if width > self.stop_ids.shape[1]:  # running rows repeat their own last id: zeros would ban token 0
+            extra = self.stop_ids[:, -1:].expand(-1, width - self.stop_ids.shape[1])
             self.stop_ids = torch.cat([self.stop_ids, extra], dim=1)
             self.widened += 1
-        put(self.stop_ids, [r + [r[0]] * (width - len(r)) for r in rows])
+        put(self.stop_ids, [r + [r[-1]] * (width - len(r)) for r in rows])
         for slot, p in zip(slots, params, strict=True):
             (self.filtered.add if p.top_k > 0 or p.top_p < 1.0 else self.filtered.discard)(slot)
 
@@ -241,8 +243,8 @@ def _logsumexp(scaled: Scaled, blocks: Blocks) -> torch.Tensor:
     top = blocks.max.amax(dim=-1)
     allowed = top + (blocks.sum * (blocks.max - top[:, None]).exp()).sum(dim=-1).log()
     stops = scaled.stops
-    once = torch.ones_like(stops, dtype=torch.bool)  # padding repeats a row's first stop id: count it once
-    once[:, 1:] = stops[:, 1:] != stops[:, :1]
+    once = torch.ones_like(stops, dtype=torch.bool)  # padding repeats a row's last stop id: count it once
+    once[:, 1:] = stops[:, 1:] != stops[:, :-1]
     banned = scaled.logits.gather(1, stops).float() * scaled.scale[:, None]
     banned = banned.masked_fill_(~(once & scaled.banned[:, None]), float("-inf")).logsumexp(dim=-1)
     return torch.logaddexp(allowed, banned)
@@ -252,10 +254,12 @@ if triton is not None:
 
     @triton.jit
     def _block_stats_kernel(
-        logits_ptr, scale_ptr, stops_ptr, banned_ptr, max_ptr, sum_ptr, arg_ptr, vocab, blocks, stride,
-        BLOCK_: tl.constexpr, PER: tl.constexpr, STOPS: tl.constexpr,
+        logits_ptr, scale_ptr, stops_ptr, banned_ptr, max_ptr, sum_ptr, arg_ptr, vocab, blocks, stride, stops,
+        BLOCK_: tl.constexpr, PER: tl.constexpr,
     ):  # fmt: skip
-        """Program (row, j): blocks j * PER .. j * PER + PER - 1 of the row, as one [PER, BLOCK_] tile."""
+        """Program (row, j): blocks j * PER .. j * PER + PER - 1 of the row, as one [PER, BLOCK_] tile. The stop
+        table's width is an argument: as a constant it compiled the kernel again, unrolled, for each new width
+        (the likely cause of a request with 511 stop ids stalling an H100 engine past 120 s)."""
         row = tl.program_id(0)
         scale = tl.load(scale_ptr + row)
         banned = tl.load(banned_ptr + row) != 0
@@ -263,8 +267,9 @@ if triton is not None:
         index = b[:, None] * BLOCK_ + tl.arange(0, BLOCK_)[None, :]
         x = tl.load(logits_ptr + row * stride + index, mask=index < vocab, other=float("-inf"))
         x = x.to(tl.float32) * scale
-        for j in tl.static_range(STOPS):
-            x = tl.where(banned & (index == tl.load(stops_ptr + row * STOPS + j)), float("-inf"), x)
+        if banned:
+            for j in range(stops):
+                x = tl.where(index == tl.load(stops_ptr + row * stops + j), float("-inf"), x)
         top = tl.max(x, axis=1)
         arg = tl.argmax(x, axis=1, tie_break_left=True)
         total = tl.where(top == float("-inf"), 0.0, tl.sum(tl.exp(x - top[:, None]), axis=1))
@@ -289,6 +294,6 @@ def _block_stats_triton(scaled: Scaled) -> Blocks:
     stops, per = scaled.stops.contiguous(), LAUNCH["per"]
     _block_stats_kernel[(rows, -(-blocks // per))](
         logits, scaled.scale.float().contiguous(), stops, scaled.banned.to(torch.int8), *out,
-        vocab, blocks, logits.stride(0), BLOCK_=BLOCK, PER=per, STOPS=stops.shape[1], num_warps=LAUNCH["warps"],
+        vocab, blocks, logits.stride(0), stops.shape[1], BLOCK_=BLOCK, PER=per, num_warps=LAUNCH["warps"],
     )  # fmt: skip
     return out
