@@ -58,7 +58,7 @@ decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token promp
 # Recover checkpoints off: three of a 3B (12 bytes a parameter) need 111 GB, the lent machine's disk holds 64.
 paged() { python3 tools/gpu_check_paged.py; }  # the decode kernel's splits sweep, the step's shape among them
 sampling() {  # a decode step's sampling at 128 rows of Qwen's vocabulary, against the baseline's; its kernel checked
-  python3 -m pytest -q -m gpu tests/test_gpu.py -k "sampling_kernel or more_stop_ids or logprobs_graphs or captured_once"  # the interpreter too
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k "sampling_kernel or more_stop_ids or logprobs_graphs or captured_once"
   python3 tools/bench_sampling.py --baseline $BASE/areal_hpc/gen/backends/builtin/sampling.py --out $OUT/sampling.json
 }
 3b() { check 3b . --shape 3b $MB --set recover_mode=disabled; }
