@@ -128,7 +128,9 @@ def _full_collections(phase: str, info: dict[str, int]) -> None:
     if phase == "start":
         _gc_start = (time.time(), time.perf_counter())
     else:
-        event("gc", _gc_start[0], time.perf_counter() - _gc_start[1], collected=info["collected"])
+        dur = time.perf_counter() - _gc_start[1]
+        # tracked: what the next full collection walks again (frozen objects are not among them)
+        event("gc", _gc_start[0], dur, collected=info["collected"], tracked=len(gc.get_objects(generation=2)))
 
 
 def instant(name: str, **args: Any) -> None:
