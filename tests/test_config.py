@@ -154,6 +154,7 @@ def test_malformed_override_and_yaml(tmp_path):
             "'success_rate_lb' (0.9) is above 'success_rate_ub'",
         ),
         (["ppo.gen.min_new_tokens=99999"], "'ppo.gen.min_new_tokens' (99999) is above"),
+        (["ppo.gen.stop_token_ids=7,-1"], "'ppo.gen.stop_token_ids' must be at most 1024 token ids >= 0"),
         (["ppo.disable_value=false"], "'critic.path' is required"),
         (["eval.enabled=true"], "'eval.data_dir' is required when 'eval.enabled' is true"),
         # What is not implemented yet is refused, saying what is.

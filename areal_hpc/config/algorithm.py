@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from areal_hpc.config.fields import opt
 
+# Every slot's stop table is as wide as the widest row's, and a banned row's sampling reads all of it: one
+# request with the whole vocabulary as stop ids would slow every row of the batch (SGLang sets no limit).
+MAX_STOP_TOKEN_IDS = 1024
+
 
 @dataclass
 class GenerationConfig:
@@ -19,7 +23,9 @@ class GenerationConfig:
     temperature: float = opt(1.0, "Sampling temperature (also divides logits in training).", gt=0)
     top_p: float = opt(1.0, "Nucleus sampling threshold.", gt=0, le=1)
     top_k: int = opt(-1, "Sample among the k most likely tokens; -1: all.", ge=-1)
-    stop_token_ids: list[int] = opt([], "Token ids that end an answer besides the tokenizer's EOS tokens.")
+    stop_token_ids: list[int] = opt(
+        [], "Token ids that end an answer besides the tokenizer's EOS tokens (at most 1024)."
+    )
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 
 from areal_hpc import alloc
 from areal_hpc.config import extensions, kv_pool
+from areal_hpc.config.algorithm import MAX_STOP_TOKEN_IDS
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems, moe_experts
 from areal_hpc.config.lora import lora_problems
 from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
@@ -74,6 +75,11 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         out.append(
             f"'ppo.gen.min_new_tokens' ({gen.min_new_tokens}) is above "
             f"'ppo.gen.max_new_tokens' ({gen.max_new_tokens})"
+        )
+    if len(gen.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in gen.stop_token_ids):
+        out.append(
+            f"'ppo.gen.stop_token_ids' must be at most {MAX_STOP_TOKEN_IDS} token ids >= 0 (every request carries "
+            f"them), got {len(gen.stop_token_ids)} with min {min(gen.stop_token_ids)}"
         )
     if cfg.ppo.ppo_n_minibatches > cfg.dataset.train_bs_n_seqs * cfg.group_size:
         out.append(

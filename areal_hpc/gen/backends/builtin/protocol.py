@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from areal_hpc.config.algorithm import MAX_STOP_TOKEN_IDS
+
 
 class RequestError(ValueError):
     """A client error in a request; ``field`` names the offending field (None when no single field)."""
@@ -26,9 +28,6 @@ class RequestError(ValueError):
 # SGLang's sampling parameters that change nothing at these values: accepted so, refused otherwise.
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0}
 CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's grammars; refused by name here
-# Every slot's stop table is as wide as the widest row's, and a banned row's sampling reads all of it: one
-# request with the whole vocabulary as stop ids would slow every row of the batch (SGLang sets no limit).
-MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
