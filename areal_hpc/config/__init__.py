@@ -13,6 +13,7 @@ docs      docs/config.md and `areal-hpc config options`, rendered from the schem
 """
 
 from areal_hpc.config import extensions
+from areal_hpc.config.algorithm import MAX_STOP_TOKEN_IDS
 from areal_hpc.config.backends import (
     GEN_BACKENDS,
     TRAIN_BACKENDS,
@@ -52,6 +53,7 @@ from areal_hpc.config.schema import (
 
 __all__ = [
     "GEN_BACKENDS",
+    "MAX_STOP_TOKEN_IDS",
     "MFCS_OF",
     "TRAIN_BACKENDS",
     "megatron_model_problems",

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_hpc.config.algorithm import MAX_STOP_TOKEN_IDS
+from areal_hpc.config import MAX_STOP_TOKEN_IDS
 
 
 class RequestError(ValueError):
