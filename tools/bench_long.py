@@ -14,8 +14,8 @@ not depend on L; it is timed once per shape, at the first length.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -93,13 +93,20 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-long-") as root:
-        for shape in args.shapes.split(","):
-            rows += longest(shape, lengths, Path(root), args.device)
-            gc.collect()  # the shape's engine, before the next is built
-            torch.cuda.empty_cache() if args.device == "cuda" else None
-    for shape in args.shapes.split(","):
+    shapes = args.shapes.split(",")
+    # A process per shape: what one shape's engine leaves on the GPU never crowds the next (the 7B at 16k ran
+    # out of memory after the 3B in one process, and fits alone at 32k).
+    if len(shapes) > 1:
+        rows = []
+        for shape in shapes:
+            with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
+                subprocess.run([sys.executable, __file__, "--shapes", shape, "--lengths", args.lengths,
+                                "--device", args.device, "--out", out.name], check=True)  # fmt: skip
+                rows += [json.loads(line) for line in out]
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-long-") as root:
+            rows = longest(shapes[0], lengths, Path(root), args.device)
+    for shape in shapes:
         fit = [r for r in rows if r["shape"] == shape and "mfu" in r]
         best = fit[-1] if fit else None
         print(f"{shape}: longest trained {best['tokens'] if best else 0} tokens"

@@ -3,9 +3,9 @@ model of a real shape, published as a PEFT folder and served by the built-in eng
 
 - publication: the bytes of a version's adapter folder against the model's weights, and its seconds (write, then
   the server's load) against the full weights' (the same tensors written again, then the server's disk load);
-- the engine's logprobs under the adapter against transformers' forward of the merged weights (bf16: mean
+- the engine's logprobs under the adapter against transformers' with PEFT's (unmerged, the trainer's; bf16: mean
   |diff| within gpu_check_engine.py's bound for full weights, or within 10% of the same engine's on the base
-  weights against transformers' base model, measured too: a deep random model's bf16 differences grow);
+  weights against transformers' with the adapter off, measured too: a deep random model's bf16 differences grow);
 - decode time with the adapter's side path against the same engine serving its base model.
 
 Usage (device tool; carry .whl for peft and accelerate, installed by tools/gpu_env.sh)::
@@ -24,7 +24,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ bare_packages()  # the engine alone: the GPU image lacks what the rollout stack 
 from areal_hpc.gen.backends.builtin.engine import Engine  # noqa: E402
 from areal_hpc.gen.backends.builtin.lora import ALL as LINEAR  # noqa: E402 (every linear layer)
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams  # noqa: E402
-from areal_hpc.weights import Adapter, merged, write_adapter  # noqa: E402
+from areal_hpc.weights import Adapter, write_adapter  # noqa: E402
 
 TINY = Path(os.environ.get("AREAL_HPC_TINY", REPO / ".cache" / "tiny")) / "model"  # --shape tiny
 
@@ -61,12 +60,14 @@ def random_adapter(model: Path, rank: int, alpha: float) -> Adapter:
     return Adapter(rank, alpha, str(model), pairs)
 
 
-def reference_logprobs(model: Path, adapter: Adapter, outputs, base_outputs, prompts, device: str):
-    """transformers' logprobs of each output given its prompt: ``outputs`` under the merged weights (the
-    trainer's policy), ``base_outputs`` under the base weights; the model loaded once, merged in place."""
+def reference_logprobs(model: Path, folder: Path, outputs, base_outputs, prompts, device: str):
+    """transformers' logprobs of each output given its prompt: ``outputs`` under the published adapter loaded by
+    PEFT (unmerged, as the trainer computes it: x W + s (x A) B), ``base_outputs`` with the adapter off."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device)
+    hf = PeftModel.from_pretrained(hf, str(folder)).eval()
 
     def logprobs(outs) -> list[torch.Tensor]:
         out = []
@@ -77,11 +78,8 @@ def reference_logprobs(model: Path, adapter: Adapter, outputs, base_outputs, pro
                 out.append(logp[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt) :, None])[:, 0].cpu())
         return out
 
-    base = logprobs(base_outputs)
-    pairs = {
-        m: (a.to(device), b.to(device)) for m, (a, b) in adapter.pairs.items()
-    }  # merged beside the weights
-    hf.load_state_dict(dict(merged(hf.state_dict().items(), replace(adapter, pairs=pairs))))
+    with hf.disable_adapter():
+        base = logprobs(base_outputs)
     return logprobs(outputs), base
 
 
@@ -127,7 +125,7 @@ def main() -> int:
             torch.randint(16, min(vocab, 3000), (20,), generator=gen).tolist() for _ in range(args.rows)
         ]
         params = SamplingParams(max_new_tokens=args.tokens, sampling_seed=7, ignore_eos=True)
-        engine.submit(prompts[:2], SamplingParams(max_new_tokens=4)).wait(600)  # warm-up: graphs, compilation
+        engine.submit(prompts, SamplingParams(max_new_tokens=4)).wait(600)  # warm-up: the batch's graphs
         base_outs, base_s = timed(lambda: engine.submit(prompts, params).wait(600))
         _, load_s = timed(lambda: engine.adapters.load("policy-v1", str(folder), engine.device))
         outs, lora_s = timed(lambda: engine.submit(prompts, params, adapter="policy-v1").wait(600))
@@ -147,7 +145,7 @@ def main() -> int:
         torch.cuda.empty_cache()  # room for transformers' copy of the model
         stats["publish_s_adapter"] = round(write_s + load_s, 3)
         stats["publish_s_weights"] = round(save_s + full_load_s, 3)
-        reference, base = reference_logprobs(model, adapter, outs, base_outs, prompts, args.device)
+        reference, base = reference_logprobs(model, folder, outs, base_outs, prompts, args.device)
         stats["mean_abs_logprob_diff"], stats["max_abs_logprob_diff"] = mean_abs_diff(outs, reference)
         # The same engine on its base weights against transformers' base: the full-weight check at this shape.
         stats["base_mean_abs_logprob_diff"], stats["base_max_abs_logprob_diff"] = mean_abs_diff(
@@ -157,7 +155,7 @@ def main() -> int:
     # of the engine's own difference on the base weights at this shape.
     bound = max(MEAN_ABS_TOLERANCE, 1.1 * stats["base_mean_abs_logprob_diff"])
     if stats["mean_abs_logprob_diff"] > bound:
-        failures.append(f"mean |engine - merged transformers| logprob {stats['mean_abs_logprob_diff']} > {bound:.5f}")  # fmt: skip
+        failures.append(f"mean |engine - PEFT| logprob {stats['mean_abs_logprob_diff']} > {bound:.5f}")  # fmt: skip
     print(json.dumps(stats))
     if args.out:
         Path(args.out).write_text(json.dumps(stats, indent=2))
