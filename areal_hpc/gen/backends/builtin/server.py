@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 import torch
 
 from areal_hpc.control import timeline
@@ -407,7 +408,9 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, {"error": {"message": message, "field": field, "code": status}})
 
     def _send(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
+        # orjson: an answer of 8 x 1,024 tokens with logprobs takes 0.5 ms, json.dumps 12 ms, and the 16 answers
+        # of a rollout, finished at once, were formatted one after another behind one interpreter lock.
+        data = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
