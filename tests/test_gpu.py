@@ -44,6 +44,30 @@ def test_the_paged_decode_kernel_agrees_with_its_reference():
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
 
 
+def test_the_rotary_cache_write_kernel_equals_the_models_rope_in_bf16():
+    """A decode step's q and k rotated, k and v written to their pool rows: the 1.5B's and 7B's heads, within
+    one bf16 rounding of the float32 rope (the compiled rope's arithmetic; a fused multiply-add may differ)."""
+    from areal_hpc.gen.backends.builtin import paged_decode
+    from areal_hpc.gen.backends.builtin.model import rope
+
+    for heads, kv_heads in [(12, 2), (28, 4)]:
+        rows, dim = 128, 128
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (
+            t.view(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        )
+        cos, sin = torch.randn(2, rows, dim, device="cuda", dtype=torch.bfloat16)
+        k_flat, v_flat = torch.zeros(2, 4 * rows, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        where = torch.randperm(4 * rows, device="cuda")[:rows]
+        out = paged_decode.rotate_and_store(q, k, v, cos, sin, k_flat, v_flat, where)
+        for got, x in ((out, q), (k_flat[where], k)):
+            want = rope(x.float(), cos.float(), sin.float())
+            assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-6).all(), (heads, kv_heads)
+        assert torch.equal(v_flat[where], v)
+        others = torch.ones(4 * rows, dtype=torch.bool, device="cuda").index_fill_(0, where, False)
+        assert not k_flat[others].any() and not v_flat[others].any()
+
+
 def test_the_sampling_kernel_agrees_with_torch_at_a_real_vocabulary():
     """The Triton block statistics against torch's on the CPU (Qwen's 151,936 tokens, bf16, bans, padding), and
     the draws they give."""
@@ -70,16 +94,17 @@ def test_the_sampling_kernel_agrees_with_torch_at_a_real_vocabulary():
     assert (draw(gpu, u.cuda(), fast).cpu() == draw(cpu, u, slow)).sum() >= rows - 1
 
 
-def test_the_sampling_kernel_in_tritons_interpreter_equals_torchs():
-    """The kernel's logic on the CPU (TRITON_INTERPRET=1; it needs only triton): bans through the stop table's
-    runtime width, tiles past the vocabulary's end, ties."""
+def test_the_engines_kernels_in_tritons_interpreter_equal_torchs():
+    """The kernels' logic on the CPU (TRITON_INTERPRET=1; it needs only triton): the sampler's bans through the
+    stop table's runtime width, tiles past the vocabulary's end, ties; the rotary cache write; the engine's
+    decode path with both against its gathered path."""
     import triton
 
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):  # the GPU image's 3.6 among them
         pytest.skip("Triton < 3.7's interpreter cannot take a runtime loop bound under a recent NumPy (its scalar "
-                    "arguments are 1-element arrays): run tools/check_sampling_kernel.py with triton >= 3.7")  # fmt: skip
+                    "arguments are 1-element arrays): run tools/check_kernels.py with triton >= 3.7")  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "tools/check_sampling_kernel.py"], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "tools/check_kernels.py"], cwd=REPO, capture_output=True, text=True,
         timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr

@@ -12,6 +12,7 @@
 #   tools/gpu_issue46.sh profile     # step 2 under torch.profiler, joined to the trace (trace --cuda)
 #   tools/gpu_issue46.sh decode      # the step's rollout alone (128 rows x 1,024): baseline's engine, today's profiled
 #   tools/gpu_issue46.sh paged       # the paged decode kernel (tools/gpu_check_paged.py) at the step's shape too
+#   tools/gpu_issue46.sh kernels     # the decode kernels' GPU tests (the rotary cache write, the engine's logprobs)
 #   tools/gpu_issue46.sh sampling    # a decode step's sampling (tools/bench_sampling.py) against the baseline's
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
 #   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
@@ -56,9 +57,12 @@ decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token promp
     --mem-fraction-static 0.5 --profile $OUT/decode-trace.json --out $OUT/decode.json
 }
 # Recover checkpoints off: three of a 3B (12 bytes a parameter) need 111 GB, the lent machine's disk holds 64.
+kernels() {  # the fused rotary cache write, and the engine's logprobs with it (before a step relies on it)
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k "rotary or logprobs_graphs"
+}
 paged() { python3 tools/gpu_check_paged.py; }  # the decode kernel's splits sweep, the step's shape among them
 sampling() {  # a decode step's sampling at 128 rows of Qwen's vocabulary, against the baseline's; its kernel checked
-  python3 -m pytest -q -m gpu tests/test_gpu.py -k "sampling_kernel or more_stop_ids or logprobs_graphs or captured_once"
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k "rotary or sampling_kernel or more_stop_ids or logprobs_graphs or captured_once"
   python3 tools/bench_sampling.py --baseline $BASE/areal_hpc/gen/backends/builtin/sampling.py --out $OUT/sampling.json
 }
 3b() {  # an H100 runs the 3B trainer out of memory at 16,384 tokens without checkpointing (75 GiB in use)

@@ -277,17 +277,18 @@ class Decoder:
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, last: torch.Tensor | None = None,
-        static: bool = False, record: torch.Tensor | None = None,
+        static: bool = False, record: torch.Tensor | None = None, rotates: bool = False,
     ):  # fmt: skip
         """Logits [T or len(last), V] of packed tokens ``ids`` [T] at ``positions`` [T]; ``last`` picks the
         tokens whose logits are wanted (a prefill's last prompt tokens). ``static``: fixed shapes and no host
         sync (a decode step, CUDA graphs); ``record`` [T, layers, k] (int32) takes each sparse layer's choice of
-        experts."""
+        experts. ``rotates``: ``attend`` applies the rotary embedding itself (the decode kernel fuses it with the
+        cache write), so q and k reach it unrotated."""
         s, p = self.shape, self.params
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
         norm, add_norm = self._norm, self._add_norm
         x = F.embedding(ids, p["embed"])
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = (None, None) if rotates else (self.cos[positions], self.sin[positions])
         h = norm(x, p["0.in_norm"], s.eps)
         for i in range(s.layers):
             pre = f"{i}."
@@ -296,7 +297,8 @@ class Decoder:
             q, k = q.view(-1, s.heads, s.head_dim), k.view(-1, s.kv_heads, s.head_dim)
             if self.arch.qk_norm:
                 q, k = norm(q, p[pre + "q_norm"], s.eps), norm(k, p[pre + "k_norm"], s.eps)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            if not rotates:
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             out = attend(i, q, k, v.view(-1, s.kv_heads, s.head_dim))
             out = self._linear(out.reshape(-1, q_size), pre + "o", p.get(pre + "o_bias"))
             x, h = add_norm(x, out, p[pre + "post_norm"], s.eps)

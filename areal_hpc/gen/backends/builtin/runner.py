@@ -280,6 +280,7 @@ class Runner:
                 shape.head_dim**-0.5,
                 paged_decode.splits_for(batch, shape.kv_heads, self.width, self._sms),
             )
+            cos, sin = self.decoder.cos[positions], self.decoder.sin[positions]
         else:  # every layer gathers the same positions: their pool rows once, [batch, span]
             span = self.width if self.cuda else -(-int(lengths.max()) // PAGE)  # graphs need a fixed span
             keys = paged_decode.pool_rows(table[:, :span])
@@ -287,15 +288,18 @@ class Runner:
 
         def attend(layer: int, q, k, v):
             k_all, v_all = self.cache.flat(layer)
-            k_all[where], v_all[where] = k, v
-            if self.kernel:
+            if self.kernel:  # q and k arrive unrotated: one kernel rotates them and writes the cache
+                q = paged_decode.rotate_and_store(q, k, v, cos, sin, k_all, v_all, where)
                 return paged_decode.paged_decode(
                     q, self.cache.k[layer], self.cache.v[layer], table, lengths, scale, splits
                 )
+            k_all[where], v_all[where] = k, v
             return paged_decode.gathered_decode(q, k_all, v_all, keys, valid)
 
         record = self._routed[:batch] if self.routed_shape else None
-        return self.decoder.forward(self.tokens[:batch], positions, attend, static=True, record=record)
+        return self.decoder.forward(
+            self.tokens[:batch], positions, attend, static=True, record=record, rotates=self.kernel
+        )
 
     def _replay(self, batch: int, sample: bool) -> Any:
         """A decode step of ``batch`` slots through its CUDA graph, captured at first use: its logits, or with
