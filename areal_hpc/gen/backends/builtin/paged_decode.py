@@ -6,6 +6,7 @@ share it at once, so the pool is read once per kv head. Stage 1 splits a row's k
 fill the GPU when few rows run); stage 2 merges the ranges by their log-sum-exp. Shapes depend only on B, HKV
 and ``splits``, never on lengths, so a step is CUDA-graph capturable. ``gathered_decode`` is decode attention
 without the kernel (CPU), and ``paged_decode_reference`` the kernel in plain torch, for checking it.
+``rotate_and_store`` rotates a decode step's q and k and writes its keys and values to the pool, in one kernel.
 """
 
 from __future__ import annotations
