@@ -11,6 +11,7 @@ from contextlib import suppress
 from pathlib import Path
 from types import SimpleNamespace
 
+import orjson
 import pytest
 
 from areal_hpc.gen.backends.builtin.protocol import format_output
@@ -440,8 +441,10 @@ def test_the_builtin_server_answers_as_sglang_does():
         rid="r1", output_ids=[5, 2], logprobs=[-0.5, -0.25], finish_reason={"type": "stop", "matched": 2},
         prompt_tokens=3, cached_tokens=2, weight_version="0", latency=0.1, skip_special_tokens=True,
     )  # fmt: skip
-    for return_text in (True, False):
-        assert unlike_sglang(format_output(out, lambda ids, skip: "ab", True, return_text)) == set()
+    for return_text in (True, False):  # as it goes on the wire (the server's orjson)
+        answer = orjson.loads(orjson.dumps(format_output(out, lambda ids, skip: "ab", True, return_text)))
+        assert unlike_sglang(answer) == set()
+        assert ("meta_info", "output_token_logprobs", "*", 2) in json_paths(answer)
     # Every finish reason the engine gives a row has a type SGLang has, and only keys SGLang's has.
     ours = finish_reasons(ast.parse((REPO / "areal_hpc/gen/backends/builtin/scheduler.py").read_text()))
     theirs = sglang_finish_reasons()
