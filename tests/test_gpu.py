@@ -47,25 +47,10 @@ def test_the_paged_decode_kernel_agrees_with_its_reference():
 def test_the_rotary_cache_write_kernel_equals_the_models_rope_in_bf16():
     """A decode step's q and k rotated, k and v written to their pool rows: the 1.5B's and 7B's heads, within
     one bf16 rounding of the float32 rope (the compiled rope's arithmetic; a fused multiply-add may differ)."""
-    from areal_hpc.gen.backends.builtin import paged_decode
-    from areal_hpc.gen.backends.builtin.model import rope
+    from tools.check_kernels import rotate_case
 
     for heads, kv_heads in [(12, 2), (28, 4)]:
-        rows, dim = 128, 128
-        qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
-        q, k, v = (
-            t.view(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
-        )
-        cos, sin = torch.randn(2, rows, dim, device="cuda", dtype=torch.bfloat16)
-        k_flat, v_flat = torch.zeros(2, 4 * rows, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-        where = torch.randperm(4 * rows, device="cuda")[:rows]
-        out = paged_decode.rotate_and_store(q, k, v, cos, sin, k_flat, v_flat, where)
-        for got, x in ((out, q), (k_flat[where], k)):
-            want = rope(x.float(), cos.float(), sin.float())
-            assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-6).all(), (heads, kv_heads)
-        assert torch.equal(v_flat[where], v)
-        others = torch.ones(4 * rows, dtype=torch.bool, device="cuda").index_fill_(0, where, False)
-        assert not k_flat[others].any() and not v_flat[others].any()
+        rotate_case(128, heads, kv_heads, device="cuda", dtype=torch.bfloat16, rel=2**-7)
 
 
 def test_the_sampling_kernel_agrees_with_torch_at_a_real_vocabulary():

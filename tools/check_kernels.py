@@ -36,20 +36,26 @@ def case(rows: int, vocab: int, stops: int) -> float:
     return float(((fast.sum - slow.sum) / slow.sum.clamp(min=1e-30)).abs().max())
 
 
-def rotate_case(rows: int, heads: int, kv_heads: int, dim: int = 128) -> None:
-    """In float32: the interpreter rounds float32 to bf16 by truncation, a GPU to nearest (tests/test_gpu.py)."""
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)  # q, k, v: views of one product
+def rotate_case(
+    rows: int, heads: int, kv_heads: int, device="cpu", dtype=torch.float32, rel: float = 0.0
+) -> None:
+    """rotate_and_store against the model's rope in float32: equal (rel 0), or within ``rel`` of it (bf16 on a
+    GPU: one rounding, a fused multiply-add may differ; the interpreter rounds to bf16 by truncation, so it
+    checks float32). q, k and v are views of one product, as in the decoder; nothing is written outside the
+    rows ``where`` names."""
+    dim = 128
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
     q, k, v = (t.view(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
-    cos, sin = torch.randn(2, rows, dim)
-    k_flat, v_flat = torch.zeros(2, 4 * rows, kv_heads, dim)
-    where = torch.randperm(4 * rows)[:rows]
+    cos, sin = torch.randn(2, rows, dim, device=device, dtype=dtype)
+    k_flat, v_flat = torch.zeros(2, 4 * rows, kv_heads, dim, device=device, dtype=dtype)
+    where = torch.randperm(4 * rows, device=device)[:rows]
     out = paged_decode.rotate_and_store(q, k, v, cos, sin, k_flat, v_flat, where)
-    assert torch.equal(out, rope(q, cos, sin)) and torch.equal(k_flat[where], rope(k, cos, sin)), (
-        heads,
-        kv_heads,
-    )
+    for got, x in ((out, q), (k_flat[where], k)):
+        want = rope(x.float(), cos.float(), sin.float())
+        bound = want.abs() * rel + (1e-6 if rel else 0.0)
+        assert ((got.float() - want).abs() <= bound).all(), (heads, kv_heads)
     assert torch.equal(v_flat[where], v)
-    others = torch.ones(4 * rows, dtype=torch.bool).index_fill_(0, where, False)
+    others = torch.ones(4 * rows, dtype=torch.bool, device=device).index_fill_(0, where, False)
     assert not k_flat[others].any() and not v_flat[others].any(), "wrote outside its rows"
 
 
