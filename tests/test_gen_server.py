@@ -423,6 +423,34 @@ def test_the_client_decodes_answers_that_come_without_text(tiny_tokenizer):
     assert answer["text"] == tiny_tokenizer.decode(ids, skip_special_tokens=True) and answer["text"]
 
 
+def test_an_answer_that_is_not_json_reaches_the_caller_as_its_text():
+    """A server's body that no parser takes (invalid UTF-8, arrays nested past any decoder's depth, plain
+    text): the call returns it as a message instead of failing inside the parser."""
+    bodies = [b"\xff\xfe not text", b"[" * 100_000 + b"]" * 100_000, b"Internal Server Error"]
+    replies = iter(bodies)
+
+    class Hostile(BaseHTTPRequestHandler):
+        def do_GET(self):
+            reply = next(replies)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", None)
+        answers = [client.model_info() for _ in bodies]
+    finally:
+        httpd.shutdown()
+    assert [set(a) for a in answers] == [{"message"}] * 3
+    assert answers[2]["message"] == "Internal Server Error"
+
+
 def test_the_server_keeps_a_connection_open_between_requests(client):
     conn = http.client.HTTPConnection(urlsplit(client.url).hostname, urlsplit(client.url).port, timeout=10)
     for _ in range(3):  # a publication sends a request per bucket: no new connection for each
