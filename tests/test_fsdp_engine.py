@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from areal_hpc.config.schema import MicroBatchSpec, OptimizerConfig, TrainedModelConfig
@@ -90,6 +91,43 @@ def test_gradient_checkpointing_and_offload_change_no_result(tiny_model_dir):
         assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in plain_steps], abs=1e-6)
         for name, tensor in plain.items():
             torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0)
+
+
+def moments(engine) -> list[torch.Tensor]:
+    return [t for state in engine.optimizer.state.values() for k, t in state.items() if k != "step"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def test_offloaded_adam_state_is_made_before_the_first_step_and_loaded_in_place(tiny_model_dir):
+    """optimizer.offload: the state exists from the start (a fresh engine's checkpoint holds AdamW's state
+    before any step, where torch would make it with a step on the device), and a recover load fills those same
+    CPU tensors: from another engine's state, or read into the engine's own (the trainer's load). The next
+    step is the uninterrupted one's."""
+    mbs = micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=16))
+    engines = [FSDPEngine(model_config(tiny_model_dir, offload=True), total_train_steps=10) for _ in range(3)]
+    trained, copied, read = engines
+    for _ in range(2):
+        trained.train_minibatch(mbs, nll)
+    saved, before = trained.state_dict(), {e: moments(e) for e in engines[1:]}
+    own = read.state_dict()
+    assert {s["step"].item() for s in own["optimizer"].values()} == {0.0}
+    assert not any(t.count_nonzero() for t in moments(read))
+    for part in ("model", "optimizer"):  # as DCP reads a checkpoint: into the tensors given
+        for name, tensors in saved[part].items():
+            for key, tensor in tensors.items() if part == "optimizer" else [(None, tensors)]:
+                dst = own[part][name] if key is None else own[part][name][key]
+                local(dst).copy_(local(tensor))
+    copied.load_state_dict(saved)
+    read.load_state_dict(own)
+    for engine in engines:
+        assert engine is trained or all(a is b for a, b in zip(moments(engine), before[engine], strict=True))
+        engine.train_minibatch(mbs, nll)
+    for engine in engines[1:]:
+        for name, tensor in weights(trained).items():
+            torch.testing.assert_close(weights(engine)[name], tensor, atol=1e-6, rtol=0)
 
 
 def test_saves_an_hf_directory_and_a_critic_with_its_head(tiny_model_dir, tmp_path):

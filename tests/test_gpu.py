@@ -4,6 +4,7 @@ covers the same logic."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from areal_hpc.gen.client import GenClient
 from areal_hpc.train.backends.fsdp.engine import FSDPEngine
 from areal_hpc.train.microbatch import micro_batches
 from areal_hpc.weights.shared import SharedWeights
-from tests.test_fsdp_engine import model_config, nll, packed, weights
+from tests.test_fsdp_engine import model_config, moments, nll, packed, weights
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -191,17 +192,30 @@ def test_a_colocated_run_shares_the_gpu_and_its_weights():
     assert done.returncode == 0 and "colocated check: OK" in done.stdout, done.stdout + done.stderr
 
 
-def test_offloaded_adam_state_steps_as_on_the_gpu(tiny_model_dir):
-    """optimizer.offload on CUDA (page-locked CPU state, copies queued on the compute stream): three steps give
-    the losses and weights of the state kept on the GPU."""
+def test_offloaded_adam_state_steps_as_on_the_gpu_and_stays_in_page_locked_memory(tiny_model_dir):
+    """optimizer.offload on CUDA: three steps give the losses and weights of the state kept on the GPU; the
+    moments stay in page-locked CPU memory, through the steps and a recover load into a fresh engine, and the
+    device holds none of them (a DTensor made with from_local had moved each back to the GPU)."""
     mbs = micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=16))
     results = []
     for offload in (False, True):
+        gc.collect()
+        start = torch.cuda.memory_allocated()
         engine = FSDPEngine(model_config(tiny_model_dir, offload=offload), total_train_steps=10)
         assert engine.device.type == "cuda"
         losses = [engine.train_minibatch(mbs, nll)["loss"] for _ in range(3)]
-        results.append((losses, weights(engine)))
-    (losses, on_gpu), (offloaded_losses, offloaded) = results
+        results.append((losses, weights(engine), torch.cuda.memory_allocated() - start))
+        del engine
+    (losses, on_gpu, held), (offloaded_losses, offloaded, held_offloaded) = results
     assert offloaded_losses == pytest.approx(losses, abs=1e-6)
     for name, tensor in on_gpu.items():
         torch.testing.assert_close(offloaded[name], tensor, atol=1e-6, rtol=0)
+    state_bytes = 2 * sum(t.numel() * 4 for t in on_gpu.values())
+    assert held - held_offloaded >= 0.9 * state_bytes
+    trained = FSDPEngine(model_config(tiny_model_dir, offload=True), total_train_steps=10)
+    trained.train_minibatch(mbs, nll)
+    fresh = FSDPEngine(model_config(tiny_model_dir, offload=True), total_train_steps=10)
+    fresh.load_state_dict(trained.state_dict())
+    for engine in (trained, fresh):
+        local = [m.to_local() for m in moments(engine)]
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in local)

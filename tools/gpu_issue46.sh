@@ -16,6 +16,7 @@
 #   tools/gpu_issue46.sh sampling    # a decode step's sampling (tools/bench_sampling.py) against the baseline's
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
 #   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
+#   tools/gpu_issue46.sh offloaded   # the offloaded optimizer's GPU test (its moments stay in page-locked memory)
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
 #   tools/gpu_issue46.sh long        # issue 48: tools/bench_long.py, the longest sequence per shape at c = 1
 set -o pipefail
@@ -60,6 +61,7 @@ decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token promp
 kernels() {  # the fused rotary cache write, and the engine's logprobs with it (before a step relies on it)
   python3 -m pytest -q -m gpu tests/test_gpu.py -k "rotary or logprobs_graphs"
 }
+offloaded() { python3 -m pytest -q -m gpu tests/test_gpu.py -k offloaded; }  # Adam's moments in page-locked memory
 paged() { python3 tools/gpu_check_paged.py; }  # the decode kernel's splits sweep, the step's shape among them
 sampling() {  # a decode step's sampling at 128 rows of Qwen's vocabulary, against the baseline's; its kernel checked
   python3 -m pytest -q -m gpu tests/test_gpu.py -k "rotary or sampling_kernel or more_stop_ids or logprobs_graphs or captured_once"

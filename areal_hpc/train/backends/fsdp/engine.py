@@ -15,9 +15,8 @@ micro-batches.
   and each runs a slice of every row's tokens (``train.ulysses``); FSDP still shards over every rank.
 - Every forward and backward is a collective: a rank with fewer micro-batches than another runs empty
   ones (one token, zero loss), so every rank makes the same calls.
-- ``optimizer.offload``: AdamW state lives in CPU memory (page-locked) and is streamed to the device one
-  parameter at a time for the update, so the device holds weights and gradients only (a 7B model trains on
-  one H200).
+- ``optimizer.offload``: AdamW state lives in CPU memory and is streamed to the device one parameter at a
+  time for the update (``offload``).
 """
 
 from __future__ import annotations
@@ -38,8 +37,9 @@ from areal_hpc.config import MicroBatchSpec, ModelConfig
 from areal_hpc.control import timeline
 from areal_hpc.data import CU, select
 from areal_hpc.train import dist, lora, ulysses
+from areal_hpc.train.backends.fsdp import offload
 from areal_hpc.train.backends.hf_dir import write_hf_dir
-from areal_hpc.train.backends.recover_state import RecoverState
+from areal_hpc.train.backends.recover_state import RecoverState, load_tensors
 from areal_hpc.train.head import HEAD_CHUNK_TOKENS, chunked_logprobs
 from areal_hpc.train.microbatch import EMPTY_MB, in_packed_order, micro_batch_groups, seq_lengths, to_torch
 from areal_hpc.train.models import DTYPES, ValueModel, compile_pointwise, enable_checkpointing, load_model
@@ -153,6 +153,8 @@ class FSDPEngine(RecoverState):
         if self.trainable:
             self.optimizer = make_optimizer(self.net, model_cfg.optimizer)
             self.scheduler = make_schedule(self.optimizer, total_train_steps, model_cfg.optimizer)
+            if self.offload:
+                offload.make_home(self.optimizer, pinned=self.device.type == "cuda")
         else:
             self.net.requires_grad_(False)
         self.net.eval()
@@ -216,7 +218,9 @@ class FSDPEngine(RecoverState):
 
     def _step(self, skip: bool) -> dict[str, float]:
         params = [p for p in self.net.parameters() if p.requires_grad]
-        offloaded = partial(_offloaded_step, self.optimizer, params, self.device) if self.offload else None
+        offloaded = (
+            partial(offload.offloaded_step, self.optimizer, params, self.device) if self.offload else None
+        )
         return clipped_step(
             self.optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping, offloaded, skip
         )
@@ -277,60 +281,14 @@ class FSDPEngine(RecoverState):
 
     # --- recover state ----------------------------------------------------------------------------------
 
+    def load_state_dict(self, state: dict) -> None:
+        if not self.offload:
+            return super().load_state_dict(state)
+        load_tensors(self.net, None, state, self.recover_only)  # the weights; the optimizer's stay on the CPU
+        offload.load_home(self.net, self.optimizer, state["optimizer"])
+
 
 def _same_count(items: list) -> list:
     """``items`` padded with None up to the longest list of any rank (each None: an empty micro-batch)."""
     n = int(dist.all_reduce(torch.tensor(len(items)), "max").item())
     return list(items) + [None] * (n - len(items))
-
-
-def _offloaded_step(
-    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], device: torch.device
-) -> None:
-    """The optimizer's step one parameter at a time, its state brought from CPU memory and put back, so the
-    device never holds more than one parameter's optimizer state. On a GPU the CPU state is page-locked and
-    every copy is queued on the compute stream (ordered with the update, at PCIe's speed, while Python moves
-    on to the next parameter): pageable copies, one at a time, made a 7B step last ~55 s."""
-    gpu = device.type == "cuda"
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    for p, grad in zip(params, grads, strict=True):
-        home = optimizer.state.get(p)
-        if home:  # "step" stays where AdamW keeps it (a CPU scalar)
-            optimizer.state[p] = {
-                k: v if k == "step" else v.to(device, non_blocking=gpu) for k, v in home.items()
-            }
-        p.grad = grad
-        optimizer.step()
-        p.grad = None
-        optimizer.state[p] = _put_back(optimizer.state[p], home, gpu)
-    if gpu:  # the CPU state whole before anything reads it (a checkpoint, the next step)
-        torch.cuda.current_stream(device).synchronize()
-    for p, grad in zip(params, grads, strict=True):
-        p.grad = grad
-
-
-def _put_back(state: dict, home: dict | None, gpu: bool) -> dict:
-    """``state`` (on the device) copied into its CPU buffers ``home``, made the first time (page-locked on a
-    GPU); the step counter is the one AdamW advanced."""
-    if not home:
-        return {k: v if k == "step" else _cpu_buffer(v, gpu) for k, v in state.items()}
-    for k, v in state.items():
-        if k != "step":  # shard into shard: a DTensor's placements are the same on both sides
-            _local(home[k]).copy_(_local(v), non_blocking=gpu)
-    return home
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _cpu_buffer(t: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """A CPU copy of ``t``, page-locked if ``pinned`` (a DTensor's: of its shard, under the same placements)."""
-    if isinstance(t, DTensor) and pinned:
-        local = _cpu_buffer(_local(t), pinned)
-        return DTensor.from_local(
-            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-        )
-    return t.to("cpu").pin_memory() if pinned else t.to("cpu")
