@@ -33,9 +33,11 @@ TOKENS=$([ "$GIB" -ge 100 ] && echo 30720 || echo 16384)
 MB="--set actor_train.mb_spec.max_tokens_per_mb=$TOKENS --set actor_inf.mb_spec.max_tokens_per_mb=$TOKENS"
 status=0
 rm -rf /tmp/gpu-colocated-* /tmp/bench-*  # what a run cut off by its time limit left on a warm machine's disk
-check() {  # label, code dir, args...
+check() {  # label, code dir, args...: run from the code's folder. The roles start as `python -m`, which puts
+  # the working directory on sys.path before PYTHONPATH: from the repository's root, the baseline's roles had
+  # run today's package (until 2026-12-06, every step-baseline).
   local label=$1 code=$2; shift 2
-  PYTHONPATH=/tmp/site:$PWD/$code python3 $code/tools/gpu_check_colocated.py $WORK "$@" --json $OUT/$label.json
+  (cd $code && PYTHONPATH=/tmp/site:$PWD python3 tools/gpu_check_colocated.py $WORK "$@" --json $OUT/$label.json)
 }
 step() {
   check step-baseline $BASE --shape 1.5b $MB

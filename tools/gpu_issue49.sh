@@ -38,8 +38,9 @@ async() {
 colocated() {  # 16 x 8 x 1,024 as issue 46's step, the micro-batches of a 80 GB card
   local work="--steps 3 --shape 1.5b --group-size 8 --max-new-tokens 1024 --mem-fraction 0.5 --gpus $GPUS"
   work+=" --set actor_train.mb_spec.max_tokens_per_mb=16384 --set actor_inf.mb_spec.max_tokens_per_mb=16384"
-  PYTHONPATH=/tmp/site:$PWD/.cache/baseline-46 python3 .cache/baseline-46/tools/gpu_check_colocated.py $work \
-    --json $OUT/colocated-rank0.json || return 1
+  # from the baseline's folder: its roles (`python -m`) import the package of the working directory
+  (cd .cache/baseline-46 && PYTHONPATH=/tmp/site:$PWD python3 tools/gpu_check_colocated.py $work \
+    --json $OUT/colocated-rank0.json) || return 1
   python3 tools/gpu_check_colocated.py $work --json $OUT/colocated-per-gpu.json
 }
 context() {
