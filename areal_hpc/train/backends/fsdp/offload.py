@@ -1,5 +1,5 @@
 """``optimizer.offload``: AdamW's state in CPU memory, streamed to the device one parameter at a time for the
-update, so the device holds weights and gradients only (a 7B model's 57 GB of moments stay in host memory).
+update, so the device holds weights and gradients only (a 7B model's 61 GB of moments stay in host memory).
 
 - The state is made up front (``make_home``), where its first step would have made it on the device: torch's
   checkpoint functions make missing state with a zero-gradient step of the whole model on the device.
