@@ -101,6 +101,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def leaves(state: dict):
+    for value in state.values():
+        yield from leaves(value) if isinstance(value, dict) else [value]
+
+
 def test_offloaded_adam_state_is_made_before_the_first_step_and_loaded_in_place(tiny_model_dir):
     """optimizer.offload: the state exists from the start (a fresh engine's checkpoint holds AdamW's state
     before any step, where torch would make it with a step on the device), and a recover load fills those same
@@ -115,11 +120,8 @@ def test_offloaded_adam_state_is_made_before_the_first_step_and_loaded_in_place(
     own = read.state_dict()
     assert {s["step"].item() for s in own["optimizer"].values()} == {0.0}
     assert not any(t.count_nonzero() for t in moments(read))
-    for part in ("model", "optimizer"):  # as DCP reads a checkpoint: into the tensors given
-        for name, tensors in saved[part].items():
-            for key, tensor in tensors.items() if part == "optimizer" else [(None, tensors)]:
-                dst = own[part][name] if key is None else own[part][name][key]
-                local(dst).copy_(local(tensor))
+    for dst, src in zip(leaves(own), leaves(saved), strict=True):  # as DCP reads: into the tensors given
+        local(dst).copy_(local(src))
     copied.load_state_dict(saved)
     read.load_state_dict(own)
     for engine in engines:
