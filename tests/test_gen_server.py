@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -395,31 +396,41 @@ def test_master_port_may_come_as_a_string(client):
     assert status == 400 and "failed to join weight update group 'g'" in answer["message"]
 
 
+@contextlib.contextmanager
+def canned_server(bodies):
+    """The URL of a server that answers each request (GET or POST) with the next of ``bodies``, status 200."""
+    replies = iter(bodies)
+
+    class Canned(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            reply = next(replies)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Canned)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+
+
 def test_the_client_decodes_answers_that_come_without_text(tiny_tokenizer):
     # SGLang launched with --skip-tokenizer-init (as AReaL launches it) sends no text: this is its answer.
     ids = tiny_tokenizer.encode("7 + 1 = 8")
     meta = {"finish_reason": {"type": "length", "length": len(ids)}, "weight_version": "0",
             "prompt_tokens": 2, "completion_tokens": len(ids)}  # fmt: skip
     reply = json.dumps({"output_ids": ids, "meta_info": meta}).encode()
-
-    class SkipTokenizerInit(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), SkipTokenizerInit)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    with canned_server([reply]) as url:
         (answer,) = GenClient(url, None, tokenizer=tiny_tokenizer).generate([1, 2], {"max_new_tokens": 8})
-    finally:
-        httpd.shutdown()
     assert answer["text"] == tiny_tokenizer.decode(ids, skip_special_tokens=True) and answer["text"]
 
 
@@ -427,26 +438,9 @@ def test_an_answer_that_is_not_json_reaches_the_caller_as_its_text():
     """A server's body that no parser takes (invalid UTF-8, arrays nested past any decoder's depth, plain
     text): the call returns it as a message instead of failing inside the parser."""
     bodies = [b"\xff\xfe not text", b"[" * 100_000 + b"]" * 100_000, b"Internal Server Error"]
-    replies = iter(bodies)
-
-    class Hostile(BaseHTTPRequestHandler):
-        def do_GET(self):
-            reply = next(replies)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        client = GenClient(f"http://127.0.0.1:{httpd.server_address[1]}", None)
+    with canned_server(bodies) as url:
+        client = GenClient(url, None)
         answers = [client.model_info() for _ in bodies]
-    finally:
-        httpd.shutdown()
     assert [set(a) for a in answers] == [{"message"}] * 3
     assert answers[2]["message"] == "Internal Server Error"
 
