@@ -78,8 +78,8 @@ offload() {  # the page-locked, queued copies of the Adam state against one page
   PYTHONPATH=/tmp/site:$PWD/$BASE python3 $BASE/tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
   python3 tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
 }
-7b() {
-  check 7b . --shape 7b $MB --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true \
+7b() {  # two steps: a 7B step takes ~4x the 1.5B's
+  check 7b . --shape 7b $MB --steps 2 --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true \
     --set recover_mode=disabled
 }
 # Issue 47: the built-in engine's adapters (publication bytes and seconds, logprobs, side-path cost), and the
