@@ -26,12 +26,12 @@ def refs(path: str, rows, keys=("packed_input_ids", "prompt_mask")) -> dict[str,
     return {key: [[path, int(i)] for i in rows] for key in keys}
 
 
-def ppo_batch(logprobs: torch.Tensor) -> dict[str, np.ndarray]:
+def ppo_batch(logprobs: torch.Tensor, lengths=LENGTHS) -> dict[str, np.ndarray]:
     """An on-policy rollout of the packed sequences: groups of two, one answer right and one wrong."""
-    n = len(LENGTHS)
+    n = len(lengths)
     return {
-        **packed(),
-        "prompt_mask": np.zeros(sum(LENGTHS), dtype=bool),
+        **packed(lengths),
+        "prompt_mask": np.zeros(sum(lengths), dtype=bool),
         "packed_logprobs": logprobs.numpy(),
         "proximal_logprobs": logprobs.numpy(),
         "rewards": np.where(np.arange(n) % 2 == 0, 5.0, -5.0).astype(np.float32),

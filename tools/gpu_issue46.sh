@@ -16,7 +16,8 @@
 #   tools/gpu_issue46.sh sampling    # a decode step's sampling (tools/bench_sampling.py) against the baseline's
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
 #   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
-#   tools/gpu_issue46.sh offloaded   # the offloaded optimizer's GPU test (its moments stay in page-locked memory)
+#   tools/gpu_issue46.sh memory      # GPU tests: the offloaded optimizer's moments stay in page-locked memory, and a
+#                                    # colocated trainer leaves nothing cached for the servers after a step
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
 #   tools/gpu_issue46.sh attention   # issue 48: causal attention's kernels at 8k-64k (tools/bench_attention.py)
 #   tools/gpu_issue46.sh long        # issue 48: tools/bench_long.py, the longest sequence per shape at c = 1
@@ -65,7 +66,7 @@ kernels() {  # the fused rotary cache write, and the engine's logprobs with it (
   python3 -m pytest -q -m gpu tests/test_gpu.py -k "rotary or logprobs_graphs"
 }
 attention() { python3 tools/bench_attention.py --out $OUT/attention.jsonl; }  # issue 48: which kernel at 32k
-offloaded() { python3 -m pytest -q -m gpu tests/test_gpu.py -k offloaded; }  # Adam's moments in page-locked memory
+memory() { python3 -m pytest -q -m gpu tests/test_gpu.py -k "offloaded or leaves_nothing_cached"; }
 paged() { python3 tools/gpu_check_paged.py; }  # the decode kernel's splits sweep, the step's shape among them
 sampling() {  # a decode step's sampling at 128 rows of Qwen's vocabulary, against the baseline's; its kernel checked
   python3 -m pytest -q -m gpu tests/test_gpu.py -k "rotary or sampling_kernel or more_stop_ids or logprobs_graphs or captured_once"

@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from areal_hpc.config import MFCS_OF, ExperimentConfig, MicroBatchSpec, mfc_spec, trainer_models
+from areal_hpc.config import (
+    MFCS_OF,
+    ExperimentConfig,
+    MicroBatchSpec,
+    allocation_of,
+    mfc_spec,
+    trainer_models,
+)
 from areal_hpc.control import RunContext, WorkerServer, fsio, task_name, timeline
 from areal_hpc.data import CU, gather, write_batch
 from areal_hpc.train import dist, interfaces
@@ -54,6 +61,7 @@ class TrainerHandlers:
         self, cfg: ExperimentConfig, rank: int, world_size: int, host: str = "127.0.0.1", profile_dir=None
     ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.colocated = allocation_of(cfg).colocated  # the servers take the GPUs back after each step
         self.profile_dir = profile_dir  # where `profiled` writes (the run's timeline folder)
         self.host = host  # where the servers reach this rank's weight-group store
         self.engines: dict[str, TrainEngine] = {}
@@ -180,6 +188,9 @@ class TrainerHandlers:
         model = "critic" if mfc == "critic_train" else "actor"
         self._trained(model)
         self._reserve(model)
+        if self.colocated:  # what the step's activations and gradients left cached is the servers' next
+            with timeline.span("empty_cache"):  # (a 7B on one H100: 47 of the trainer's 76 GiB)
+                torch.cuda.empty_cache()
         return {"stats": stats}
 
     @contextlib.contextmanager
