@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def test_site_options_reach_the_script():
     _, (text,) = scripts_of(config("toy-cpu.yaml", overrides=overrides))
     for line in ["#SBATCH --account=proj42", "#SBATCH --qos=high", "#SBATCH --time=2-00:00:00",
                  "#SBATCH --exclude=n7", "#SBATCH --reservation=rl", "\nmodule load cuda/12.4\n",
-                 "apptainer exec --nv /img/areal.sif /opt/areal/bin/python -m areal_hpc.launch.roles"]:  # fmt: skip
+                 "apptainer exec --nv /img/areal.sif /opt/areal/bin/python -P -m areal_hpc.launch.roles"]:  # fmt: skip
         assert line in text
 
 
@@ -197,3 +198,23 @@ def test_areal_hpc_run_starts_the_very_tasks_of_the_slurm_job(files, overrides):
     )
     assert Counter(role.argv[-1] for role in plan_roles(cfg, run)) == slurm_tasks
     assert ("rollout" in slurm_tasks) == (cfg.experiment_type == "ppo" and cfg.async_rl)
+
+
+def test_roles_import_the_launchers_package_from_a_folder_holding_another_checkout(tmp_path):
+    """A run started beside another areal_hpc (a clone kept for its configs) runs the installed roles: plain
+    `python -m` would import the folder's copy first, and a benchmark's "baseline" once ran today's roles so."""
+    (tmp_path / "areal_hpc").mkdir()
+    (tmp_path / "areal_hpc" / "__init__.py").write_text(
+        "raise SystemExit('the copy in the working folder')\n"
+    )
+    [role, *_] = plan_roles(config("toy-cpu.yaml"), RunDir(Path("/x")))
+    entry = role.argv[: role.argv.index("--run-dir")]
+    assert entry[-1] == "areal_hpc.launch.roles"
+    ran = subprocess.run([*entry, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and "--run-dir" in ran.stdout, ran.stderr
+    plain = subprocess.run(
+        [sys.executable, "-m", entry[-1], "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert "the copy in the working folder" in plain.stderr
+    script = (GOLDEN / "toy-two-jobs.0.sh").read_text()
+    assert " -P -m areal_hpc.launch.roles " in script  # the job script's roles alike

@@ -41,6 +41,9 @@ from areal_hpc.monitor import Progress
 from areal_hpc.recover import ATTEMPT_ENV, begin_attempt
 
 STOP_GRACE_SECS = 5.0
+# -P: the installed package, as the launcher's; plain `-m` would put the working directory first on sys.path, and
+# roles started in a folder holding another checkout would run its areal_hpc (the job script's roles do the same).
+ROLE_MODULE = ("-P", "-m", "areal_hpc.launch.roles")
 # The signals that stop a run as a failure does, and what the run says then; its exit code: 128 + the signal.
 STOP_SIGNALS = {
     signal.SIGINT: "interrupted (Ctrl-C)",
@@ -64,7 +67,7 @@ class Role:
 def plan_roles(cfg: ExperimentConfig, run: RunDir) -> list[Role]:
     """The processes of a run: the tasks of every role that `role_tasks` plans, as a Slurm job starts them."""
     allocation = allocation_of(cfg)
-    entry = [sys.executable, "-m", "areal_hpc.launch.roles", "--run-dir", str(run.root)]
+    entry = [sys.executable, *ROLE_MODULE, "--run-dir", str(run.root)]
     return [
         Role(task_name(role, i), [*entry, role], task_env(i, n, task_gpus(allocation, role, i)))
         for role, n in role_tasks(cfg, allocation).items()

@@ -50,19 +50,19 @@ echo "areal-hpc: job ${SLURM_JOB_ID} AREAL_ATTEMPT=$attempt (Slurm restart ${SLU
 names=()
 pids=()
 srun --het-group=0 --nodes=4 --ntasks=8 --ntasks-per-node=2 --cpus-per-task=32 --gpus-per-node=8 --kill-on-bad-exit=1 --output="$logs/gen_server%t.log" \
-    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" gen_server &
+    /opt/areal/bin/python -P -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" gen_server &
 names+=(gen_server)
 pids+=($!)
 srun --het-group=1 --nodes=4 --ntasks=32 --ntasks-per-node=8 --cpus-per-task=8 --gpus-per-node=8 --kill-on-bad-exit=1 --output="$logs/trainer%t.log" \
-    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" trainer &
+    /opt/areal/bin/python -P -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" trainer &
 names+=(trainer)
 pids+=($!)
 srun --het-group=1 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/controller.log" \
-    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" controller &
+    /opt/areal/bin/python -P -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" controller &
 names+=(controller)
 pids+=($!)
 srun --het-group=1 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/rollout.log" \
-    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" rollout &
+    /opt/areal/bin/python -P -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" rollout &
 names+=(rollout)
 pids+=($!)
 

@@ -43,15 +43,15 @@ echo "areal-hpc: job ${SLURM_JOB_ID} AREAL_ATTEMPT=$attempt (Slurm restart ${SLU
 names=()
 pids=()
 srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=8 --gpus-per-node=1 --overlap --kill-on-bad-exit=1 --output="$logs/gen_server%t.log" \
-    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" gen_server &
+    /opt/areal/bin/python -P -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" gen_server &
 names+=(gen_server)
 pids+=($!)
 srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=8 --gpus-per-node=1 --kill-on-bad-exit=1 --output="$logs/trainer%t.log" \
-    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" trainer &
+    /opt/areal/bin/python -P -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" trainer &
 names+=(trainer)
 pids+=($!)
 srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --overlap --kill-on-bad-exit=1 --output="$logs/controller.log" \
-    /opt/areal/bin/python -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" controller &
+    /opt/areal/bin/python -P -m areal_hpc.launch.roles --run-dir "$AREAL_RUN_DIR" controller &
 names+=(controller)
 pids+=($!)
 

@@ -23,7 +23,7 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
     if not spec.device.startswith("cuda"):
         raise SGLangSetupError(f"SGLang servers run on GPUs, not on {spec.device!r}: use the builtin backend")
     base_gpu = int(spec.device.partition(":")[2] or 0)
-    cmd = [python, "-m", "areal_hpc.gen.backends.sglang.launch", "--token-file", str(spec.token_file)]
+    cmd = [python, "-P", "-m", "areal_hpc.gen.backends.sglang.launch", "--token-file", str(spec.token_file)]
     cmd += ["--model-path", spec.model_path, "--host", spec.host, "--port", str(port)]
     cmd += ["--tp-size", str(spec.tp_size), "--base-gpu-id", str(base_gpu), "--random-seed", str(spec.seed)]
     cmd += ["--max-running-requests", str(spec.max_running_requests), "--weight-version", spec.weight_version]
