@@ -228,3 +228,35 @@ def test_gradient_checkpointing_changes_no_result(tiny_model_dir, tmp_path):
     assert (off, on) == (None, "full")  # Megatron's full recomputation of every layer
     assert recomputed == plain
     assert torch.equal(recomputed_logp, plain_logp)
+
+
+def _released_rank(rank, model_dir, out):
+    dist.init_distributed(0, 1, f"{out}.init", backend="gloo", timeout_s=120)
+    try:
+        from areal_hpc.train.backends.megatron.engine import MegatronEngine
+
+        results = []
+        for release in (False, True):
+            engine = MegatronEngine(model_config(model_dir), 10)
+            steps, held = [], []
+            for _ in range(2):
+                steps.append(
+                    engine.train_minibatch(micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=20)), nll)
+                )
+                if release:
+                    engine.release_memory()
+                held.append(sum(b.grad_data.untyped_storage().nbytes() for b in engine.ddp.buffers))
+            results.append((steps, held, engine.logprobs(packed(), 1.0, MicroBatchSpec())))
+        torch.save(results, out)
+    finally:
+        dist.destroy()
+
+
+def test_gradient_buffers_given_back_between_steps_change_no_result(tiny_model_dir, tmp_path):
+    """A colocated trainer frees its gradient buffers while the servers generate (release_memory): the next
+    step takes them back, zeroed, and trains as if they had stayed."""
+    mp.spawn(_released_rank, args=(str(tiny_model_dir), str(tmp_path / "out")), nprocs=1)
+    (kept, kept_bytes, kept_logp), (released, released_bytes, released_logp) = torch.load(tmp_path / "out")
+    assert min(kept_bytes) > 0 and released_bytes == [0, 0]
+    assert released == kept
+    assert torch.equal(released_logp, kept_logp)

@@ -56,6 +56,10 @@ class TrainEngine(Protocol):
         be a collective): True leaves the weights and the optimizer's state as they were (the LR schedule
         advances, as for a non-finite gradient)."""
 
+    def release_memory(self) -> None:
+        """Between train steps, when colocated servers take the GPU: give back the device memory the next step
+        remakes (the allocator's cache, gradient buffers)."""
+
     def save_hf(self, path: str | Path) -> Path | None:
         """The model as an HF directory with a manifest (a collective; rank 0 returns the path)."""
 

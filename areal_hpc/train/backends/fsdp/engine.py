@@ -225,6 +225,10 @@ class FSDPEngine(RecoverState):
             self.optimizer, self.scheduler, params, self.cfg.optimizer.gradient_clipping, offloaded, skip
         )
 
+    def release_memory(self) -> None:  # each step frees its gradients: the cache alone is left
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @property
     def module(self) -> torch.nn.Module:
         return self.net

@@ -154,6 +154,7 @@ class MegatronEngine:
             self.tp_group, self.dp_group = self.groups.tp, self.groups.dp
             self._views = None  # hf_weights' views of the parameters (TP, PP and EP size 1)
             self.optimizer = self.ddp = None
+            self._grads_released = False  # release_memory gave the gradient buffers back
             if self.trainable:
                 self._make_optimizer()
             else:
@@ -343,6 +344,9 @@ class MegatronEngine:
         if not mbs:  # a replica without samples still joins the gradient reduction and the update
             mbs = [self._empty_mb()]
         with on_device():
+            if self._grads_released:  # back, zeroed, under the same views (param.main_grad)
+                self.ddp.restore_grad_buffers(synchronize=False)
+                self._grads_released = False
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
         if self.moe is not None:
@@ -362,6 +366,16 @@ class MegatronEngine:
         self._set_lr()
         stats = self.moe.end_step(self.groups, len(results)) if self.moe is not None else {}
         return {"loss": float(total), "grad_norm": grad_norm if updated else math.nan, "lr": lr, **stats}
+
+    def release_memory(self) -> None:
+        """The gradient buffers (4 bytes a parameter of this rank, or 2) freed until the next step, and the
+        allocator's cache."""
+        cuda = self.device.type == "cuda"
+        if self.ddp is not None and not self._grads_released:
+            self.ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+            self._grads_released = True
+        if cuda:
+            torch.cuda.empty_cache()
 
     # --- weights out ------------------------------------------------------------------------------------
 
