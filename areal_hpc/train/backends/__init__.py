@@ -57,8 +57,8 @@ class TrainEngine(Protocol):
         advances, as for a non-finite gradient)."""
 
     def release_memory(self) -> None:
-        """Between train steps, when colocated servers take the GPU: give back the device memory the next step
-        remakes (the allocator's cache, gradient buffers)."""
+        """Between train steps, when colocated servers take the GPU: free the device buffers the next step
+        remakes (gradient buffers); the trainer then empties the process's allocator cache."""
 
     def save_hf(self, path: str | Path) -> Path | None:
         """The model as an HF directory with a manifest (a collective; rank 0 returns the path)."""

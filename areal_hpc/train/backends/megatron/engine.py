@@ -368,14 +368,10 @@ class MegatronEngine:
         return {"loss": float(total), "grad_norm": grad_norm if updated else math.nan, "lr": lr, **stats}
 
     def release_memory(self) -> None:
-        """The gradient buffers (4 bytes a parameter of this rank, or 2) freed until the next step, and the
-        allocator's cache."""
-        cuda = self.device.type == "cuda"
+        """The gradient buffers (4 bytes a parameter of this rank, or 2) freed until the next step."""
         if self.ddp is not None and not self._grads_released:
-            self.ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+            self.ddp.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
             self._grads_released = True
-        if cuda:
-            torch.cuda.empty_cache()
 
     # --- weights out ------------------------------------------------------------------------------------
 

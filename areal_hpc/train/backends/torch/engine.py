@@ -207,9 +207,8 @@ class TorchEngine(RecoverState):
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
-    def release_memory(self) -> None:  # each step frees its gradients: the cache alone is left
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def release_memory(self) -> None:  # nothing of its own: each step frees its gradients
+        pass
 
     @property
     def module(self) -> torch.nn.Module:
