@@ -83,6 +83,30 @@ def test_the_sampling_kernel_agrees_with_torch_at_a_real_vocabulary():
     assert (draw(gpu, u.cuda(), fast).cpu() == draw(cpu, u, slow)).sum() >= rows - 1
 
 
+def test_long_sequences_through_cudnn_attention_equal_flash_attention_over_the_row():
+    """A packed bf16 row of the 7B's heads with two sequences past CUDNN_FROM among short ones: the output and
+    gradients within bf16 rounding of FlashAttention's varlen kernel over the whole row."""
+    from areal_hpc.train import packed
+
+    assert packed._cudnn_ok(torch.device("cuda", 0), torch.bfloat16, 28, 4, 128), (
+        "no cuDNN attention: nothing checked"
+    )
+    lengths = [300, packed.CUDNN_FROM + 808, 700, 450, packed.CUDNN_FROM + 37]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(int(cu[-1]), h, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (28, 4, 4))  # fmt: skip
+    grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def run(fn):
+        out = fn(q, k, v, cu, max(lengths), 0.088)
+        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+    for got, want in zip(run(packed.causal_varlen), run(packed._varlen), strict=True):
+        error = ((got - want).float().abs().max() / want.float().abs().max()).item()
+        assert error < 2**-7, f"{error:.2e} of the largest value apart"
+
+
 def test_the_engines_kernels_in_tritons_interpreter_equal_torchs():
     """The kernels' logic on the CPU (TRITON_INTERPRET=1; it needs only triton): the sampler's bans through the
     stop table's runtime width, tiles past the vocabulary's end, ties; the rotary cache write; the engine's

@@ -1,6 +1,7 @@
-"""Causal attention's forward and backward at long context on a GPU: the trainer's kernel (torch's varlen
-FlashAttention, ``train.packed.causal_varlen``) against SDPA's backends on one sequence, in TFLOP/s and as a
-ratio to the trainer's. Which kernel a long micro-batch should run (issue 48: the 7B shape at 32k).
+"""Causal attention's forward and backward at long context on a GPU: torch's varlen FlashAttention (the
+trainer's kernel before issue 48) against the trainer's (``train.packed.causal_varlen``: cuDNN's from
+CUDNN_FROM tokens) and SDPA's backends on one sequence, in TFLOP/s and as a ratio to FlashAttention's. Which
+kernel a long micro-batch should run (issue 48: the 7B shape at 32k).
 
     python tools/bench_attention.py [--lengths 8192,32768,65536] [--heads 28 --kv-heads 4 --head-dim 128]
 """
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from areal_hpc.train.packed import causal_varlen
+from areal_hpc.train.packed import _varlen, causal_varlen
 
 
 def timed(fn, repeats: int = 5) -> float:
@@ -52,7 +53,8 @@ def kernels(t: int, heads: int, kv_heads: int, dim: int):
 
         return run
 
-    yield "varlen (trainer)", lambda q, k, v: causal_varlen(q, k, v, cu, t, None)
+    yield "varlen flash", lambda q, k, v: _varlen(q, k, v, cu, t, None)
+    yield "trainer (causal_varlen)", lambda q, k, v: causal_varlen(q, k, v, cu, t, None)
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         yield f"sdpa {backend.name.lower()}", sdpa(backend, repeat=False)
         yield f"sdpa {backend.name.lower()}, k/v repeated", sdpa(backend, repeat=True)
@@ -96,7 +98,7 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{t:>7} {name:<34} forward {fwd * 1e3:8.2f} ms  forward+backward {both * 1e3:8.2f} ms  "
-                f"{row['tflops']:6.1f} TFLOP/s  {row['speedup']:.2f}x the trainer's"
+                f"{row['tflops']:6.1f} TFLOP/s  {row['speedup']:.2f}x FlashAttention's"
             )
     if args.out:
         with open(args.out, "w") as f:

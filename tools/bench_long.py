@@ -4,8 +4,9 @@ out of memory. Random-weight Qwen2.5 shapes are built on the spot (tools/bench_t
 its Adam state in CPU memory (optimizer.offload), as on one GPU it must.
 
 Each length reports the forward and backward seconds of its micro-batch and their MFU (6 N per token plus
-causal attention's 6 h L s^2, over the H200's dense bf16 peak), and the peak GPU memory. The optimizer step does
-not depend on L; it is timed once per shape, at the first length.
+causal attention's 6 h L s^2, over the H200's dense bf16 peak), and the peak GPU memory; then the same with
+FlashAttention alone (``flash_s``), the kernel before long sequences went to cuDNN's (train.packed.CUDNN_FROM),
+and the ratio. The optimizer step does not depend on L; it is timed once per shape, at the first length.
 
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
     python tools/bench_long.py --device cpu --shapes cpu --lengths 256,512   # a self-check of this script
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from areal_hpc.config.schema import OptimizerConfig, TrainedModelConfig  # noqa: E402
+from areal_hpc.train import packed  # noqa: E402
 from areal_hpc.train.backends import make_engine  # noqa: E402
 from tools.bench_train import PEAK_FLOPS, VOCAB, build_model, loss_fn, model_flops  # noqa: E402
 
@@ -48,6 +50,15 @@ def timed(fn, *args, **kwargs) -> float:
     fn(*args, **kwargs)
     sync()
     return time.perf_counter() - start
+
+
+def flash_only(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with every sequence on FlashAttention's varlen kernel."""
+    cudnn_from, packed.CUDNN_FROM = packed.CUDNN_FROM, 2**62
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        packed.CUDNN_FROM = cudnn_from
 
 
 def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dict]:
@@ -73,12 +84,14 @@ def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dic
                 engine.train_minibatch(mbs, loss_fn, skip=no_update)
                 row["step_s"] = round(timed(engine.train_minibatch, mbs, loss_fn), 2)
             secs = timed(engine.train_minibatch, mbs, loss_fn, skip=no_update)
+            flash_s = flash_only(timed, engine.train_minibatch, mbs, loss_fn, skip=no_update)
         except torch.OutOfMemoryError:
             rows.append({**row, "result": "out of memory"})
             print(json.dumps(rows[-1]), flush=True)
             break
         flops = model_flops(n_params, shape, np.array([length]))
         row.update(forward_backward_s=round(secs, 2), mfu=round(flops / secs / PEAK_FLOPS, 4),
+                   flash_s=round(flash_s, 2), speedup=round(flash_s / secs, 3),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0, 1))  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -65,7 +65,10 @@ decode() {  # the rollout's shape (16 x 8 answers of 1,024 after 256-token promp
 kernels() {  # the fused rotary cache write, and the engine's logprobs with it (before a step relies on it)
   python3 -m pytest -q -m gpu tests/test_gpu.py -k "rotary or logprobs_graphs"
 }
-attention() { python3 tools/bench_attention.py --out $OUT/attention.jsonl; }  # issue 48: which kernel at 32k
+attention() {  # issue 48: which kernel at 32k, and the long sequences on cuDNN against FlashAttention
+  python3 tools/bench_attention.py --out $OUT/attention.jsonl
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k cudnn
+}
 memory() { python3 -m pytest -q -m gpu tests/test_gpu.py -k "offloaded or leaves_nothing_cached"; }
 paged() { python3 tools/gpu_check_paged.py; }  # the decode kernel's splits sweep, the step's shape among them
 sampling() {  # a decode step's sampling at 128 rows of Qwen's vocabulary, against the baseline's; its kernel checked

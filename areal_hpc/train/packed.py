@@ -7,7 +7,8 @@ embedding of each token is that of its sequence alone) and the attention functio
 transformers passes through to attention, as for FlashAttention's varlen kernels):
 
 - on CUDA in bf16 or fp16, PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``): no
-  padding, no mask;
+  padding, no mask; a sequence of ``CUDNN_FROM`` tokens or more runs alone through cuDNN's fused attention
+  where this GPU and torch have it (faster at long context: tools/bench_attention.py, docs/benchmarks.md);
 - otherwise (the CPU tests, float32), causal SDPA over each sequence in turn: exact, and fast enough for tiny
   models.
 """
@@ -16,16 +17,24 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from areal_hpc.train import ulysses
 from areal_hpc.train.ulysses import ContextGroup
 
+log = logging.getLogger(__name__)
 ATTENTION = "areal_packed"
+# A sequence this long or longer runs alone through cuDNN's attention, padded at its end to a multiple of
+# CUDNN_PAD (causal: padding after a token changes nothing before it): cuDNN builds a plan for each new length
+# and keeps it, so RL's ever-new answer lengths would build one per micro-batch and grow the cache without end.
+CUDNN_FROM = 8192
+CUDNN_PAD = 256
 
 
 def packed_kwargs(cu_seqlens: torch.Tensor, context: ContextGroup | None = None) -> dict:
@@ -68,6 +77,59 @@ def _varlen(q, k, v, cu, max_len, scale):
     elif k.shape[1] != q.shape[1]:  # older kernels want as many key heads as query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def segments(bounds: list[int], alone_from: int) -> list[tuple[int, int, bool]]:
+    """The packed row cut into ``(start, end, alone)``: each sequence of ``alone_from`` tokens or more alone,
+    each run of shorter ones between them together."""
+    cuts: list[tuple[int, int, bool]] = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        alone = end - start >= alone_from
+        if cuts and not alone and not cuts[-1][2]:
+            cuts[-1] = (cuts[-1][0], end, False)
+        else:
+            cuts.append((start, end, alone))
+    return cuts
+
+
+@functools.cache
+def _cudnn_ok(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether cuDNN's attention runs this shape forward and backward here: tried once on a small sequence."""
+    q, k, v = (torch.ones(CUDNN_PAD - 1, h, dim, device=device, dtype=dtype, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    try:
+        with torch.enable_grad():
+            out = _cudnn(q, k, v, None)
+            torch.autograd.backward(out, torch.ones_like(out))
+    except RuntimeError as exc:  # no cuDNN attention in this torch, GPU or shape: the varlen kernel only
+        log.warning("cuDNN attention is not usable for %d/%d heads of %d (%s): long sequences use FlashAttention",
+                    heads, kv_heads, dim, str(exc).splitlines()[0][:200])  # fmt: skip
+        return False
+    return True
+
+
+def _cudnn(q, k, v, scale):
+    """One causal sequence ``[n, heads, dim]`` through cuDNN's attention, padded to a multiple of CUDNN_PAD."""
+    n = q.shape[0]
+    pad = -n % CUDNN_PAD
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1)[None] for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0, :, :n].transpose(0, 1)
+
+
+def _long_alone(q, k, v, cu, max_len, scale):
+    """The varlen kernel over runs of short sequences, cuDNN's over each long one alone."""
+    bounds = cu.tolist()
+    pieces = []
+    for start, end, alone in segments(bounds, CUDNN_FROM):
+        qs, ks, vs = q[start:end], k[start:end], v[start:end]
+        if alone:
+            pieces.append(_cudnn(qs, ks, vs, scale))
+        else:
+            run = torch.tensor([b - start for b in bounds if start <= b <= end], dtype=cu.dtype).to(cu.device)
+            pieces.append(_varlen(qs, ks, vs, run, min(max_len, CUDNN_FROM - 1), scale))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _per_sequence(q, k, v, cu, scale):
@@ -122,9 +184,11 @@ def causal_varlen(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence: ``q [T, heads, dim]``, ``k``, ``v [T, kv_heads, dim]``
     -> ``[T, heads, dim]`` (the kernel as above)."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return _varlen(q, k, v, cu_seqlens, max_len, scale)
-    return _per_sequence(q, k, v, cu_seqlens, scale)
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return _per_sequence(q, k, v, cu_seqlens, scale)
+    if max_len >= CUDNN_FROM and _cudnn_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2]):
+        return _long_alone(q, k, v, cu_seqlens, max_len, scale)
+    return _varlen(q, k, v, cu_seqlens, max_len, scale)
 
 
 AttentionInterface.register(ATTENTION, packed_attention)
