@@ -46,3 +46,23 @@ def test_a_row_cut_for_cudnn_computes_each_sequences_attention_alone(monkeypatch
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cudnn_probe_runs_its_own_graph_inside_a_logprob_pass_and_a_checkpointed_layer(monkeypatch):
+    """The first long sequence may come in a no-grad logprob pass or inside a checkpointed layer, whose hooks
+    would take the probe's saved tensors; on the CPU SDPA's own kernel stands in for cuDNN's."""
+    monkeypatch.setattr(packed, "sdpa_kernel", lambda backend: contextlib.nullcontext())
+    probe = packed._cudnn_ok.__wrapped__  # uncached
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        assert probe(cpu, torch.float32, 4, 2, 8)
+    with torch.no_grad():
+        assert probe(cpu, torch.float32, 4, 2, 8)
+
+    def layer(x):
+        assert probe(cpu, torch.float32, 4, 2, 8)
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().cos())

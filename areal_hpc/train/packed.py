@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
@@ -95,10 +96,10 @@ def segments(bounds: list[int], alone_from: int) -> list[tuple[int, int, bool]]:
 @functools.cache
 def _cudnn_ok(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
     """Whether cuDNN's attention runs this shape forward and backward here: tried once on a small sequence."""
-    q, k, v = (torch.ones(CUDNN_PAD - 1, h, dim, device=device, dtype=dtype, requires_grad=True)
-               for h in (heads, kv_heads, kv_heads))  # fmt: skip
-    try:
-        with torch.enable_grad():
+    try:  # its own graph wherever the first long sequence comes: a logprob pass, a checkpointed layer's hooks
+        with torch.inference_mode(False), torch.enable_grad(), saved_tensors_hooks(_same, _same):
+            q, k, v = (torch.ones(CUDNN_PAD - 1, h, dim, device=device, dtype=dtype, requires_grad=True)
+                       for h in (heads, kv_heads, kv_heads))  # fmt: skip
             out = _cudnn(q, k, v, None)
             torch.autograd.backward(out, torch.ones_like(out))
     except RuntimeError as exc:  # no cuDNN attention in this torch, GPU or shape: the varlen kernel only
@@ -106,6 +107,10 @@ def _cudnn_ok(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: in
                     heads, kv_heads, dim, str(exc).splitlines()[0][:200])  # fmt: skip
         return False
     return True
+
+
+def _same(x):
+    return x
 
 
 def _cudnn(q, k, v, scale):
