@@ -83,11 +83,12 @@ def test_the_sampling_kernel_agrees_with_torch_at_a_real_vocabulary():
     assert (draw(gpu, u.cuda(), fast).cpu() == draw(cpu, u, slow)).sum() >= rows - 1
 
 
-def test_long_sequences_through_cudnn_attention_equal_flash_attention_over_the_row():
+def test_long_sequences_through_cudnn_attention_equal_flash_attention_over_the_row(monkeypatch):
     """A packed bf16 row of the 7B's heads with two sequences past CUDNN_FROM among short ones: the output and
     gradients within bf16 rounding of FlashAttention's varlen kernel over the whole row."""
     from areal_hpc.train import packed
 
+    monkeypatch.setattr(packed, "CUDNN_FROM", 8192)
     assert packed._cudnn_ok(torch.device("cuda", 0), torch.bfloat16, 28, 4, 128), (
         "no cuDNN attention: nothing checked"
     )

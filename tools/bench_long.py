@@ -4,9 +4,10 @@ out of memory. Random-weight Qwen2.5 shapes are built on the spot (tools/bench_t
 its Adam state in CPU memory (optimizer.offload), as on one GPU it must.
 
 Each length reports the forward and backward seconds of its micro-batch and their MFU (6 N per token plus
-causal attention's 6 h L s^2, over the H200's dense bf16 peak), and the peak GPU memory; then the same with
-FlashAttention alone (``flash_s``), the kernel before long sequences went to cuDNN's (train.packed.CUDNN_FROM),
-and the ratio. The optimizer step does not depend on L; it is timed once per shape, at the first length.
+causal attention's 6 h L s^2, over the H200's dense bf16 peak) with each attention kernel the trainer can run
+a long sequence on (FlashAttention's varlen kernel, cuDNN's: train.packed.CUDNN_FROM), ``mfu`` for the one it
+runs, and the peak GPU memory. The optimizer step does not depend on L; it is timed once per shape, at the first
+length.
 
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
     python tools/bench_long.py --device cpu --shapes cpu --lengths 256,512   # a self-check of this script
@@ -52,13 +53,16 @@ def timed(fn, *args, **kwargs) -> float:
     return time.perf_counter() - start
 
 
-def flash_only(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with every sequence on FlashAttention's varlen kernel."""
-    cudnn_from, packed.CUDNN_FROM = packed.CUDNN_FROM, 2**62
+KERNELS = {"flash": None, "cudnn": 8192}  # train.packed.CUDNN_FROM for each
+
+
+def with_cudnn_from(cudnn_from: int | None, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with sequences of ``cudnn_from`` tokens or more on cuDNN's attention."""
+    default, packed.CUDNN_FROM = packed.CUDNN_FROM, cudnn_from
     try:
         return fn(*args, **kwargs)
     finally:
-        packed.CUDNN_FROM = cudnn_from
+        packed.CUDNN_FROM = default
 
 
 def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dict]:
@@ -83,15 +87,17 @@ def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dic
             if i == 0:  # compiles the norms and MLPs, then the optimizer step, alone
                 engine.train_minibatch(mbs, loss_fn, skip=no_update)
                 row["step_s"] = round(timed(engine.train_minibatch, mbs, loss_fn), 2)
-            secs = timed(engine.train_minibatch, mbs, loss_fn, skip=no_update)
-            flash_s = flash_only(timed, engine.train_minibatch, mbs, loss_fn, skip=no_update)
+            secs = {name: with_cudnn_from(cudnn_from, timed, engine.train_minibatch, mbs, loss_fn, skip=no_update)
+                    for name, cudnn_from in KERNELS.items()}  # fmt: skip
         except torch.OutOfMemoryError:
             rows.append({**row, "result": "out of memory"})
             print(json.dumps(rows[-1]), flush=True)
             break
         flops = model_flops(n_params, shape, np.array([length]))
-        row.update(forward_backward_s=round(secs, 2), mfu=round(flops / secs / PEAK_FLOPS, 4),
-                   flash_s=round(flash_s, 2), speedup=round(flash_s / secs, 3),
+        for name, s in secs.items():
+            row.update({f"{name}_s": round(s, 2), f"mfu_{name}": round(flops / s / PEAK_FLOPS, 4)})
+        runs = "cudnn" if packed.CUDNN_FROM is not None and length >= packed.CUDNN_FROM else "flash"
+        row.update(mfu=row[f"mfu_{runs}"], cudnn_speedup=round(secs["flash"] / secs["cudnn"], 3),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0, 1))  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -123,7 +129,8 @@ def main() -> int:
         fit = [r for r in rows if r["shape"] == shape and "mfu" in r]
         best = fit[-1] if fit else None
         print(f"{shape}: longest trained {best['tokens'] if best else 0} tokens"
-              + (f" at {best['mfu']:.1%} MFU, {best['peak_gib']} GiB" if best else ""))  # fmt: skip
+              + (f" at {best['mfu']:.1%} MFU (FlashAttention {best['mfu_flash']:.1%}, cuDNN "
+                 f"{best['mfu_cudnn']:.1%}), {best['peak_gib']} GiB" if best else ""))  # fmt: skip
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

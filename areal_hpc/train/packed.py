@@ -34,7 +34,7 @@ ATTENTION = "areal_packed"
 # A sequence this long or longer runs alone through cuDNN's attention, padded at its end to a multiple of
 # CUDNN_PAD (causal: padding after a token changes nothing before it): cuDNN builds a plan for each new length
 # and keeps it, so RL's ever-new answer lengths would build one per micro-batch and grow the cache without end.
-CUDNN_FROM = 8192
+CUDNN_FROM: int | None = 8192  # None: every sequence on FlashAttention
 CUDNN_PAD = 256
 
 
@@ -191,7 +191,11 @@ def causal_varlen(
     -> ``[T, heads, dim]`` (the kernel as above)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return _per_sequence(q, k, v, cu_seqlens, scale)
-    if max_len >= CUDNN_FROM and _cudnn_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2]):
+    if (
+        CUDNN_FROM is not None
+        and max_len >= CUDNN_FROM
+        and _cudnn_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
+    ):
         return _long_alone(q, k, v, cu_seqlens, max_len, scale)
     return _varlen(q, k, v, cu_seqlens, max_len, scale)
 
