@@ -1,7 +1,8 @@
-"""Causal attention's forward and backward at long context on a GPU: torch's varlen FlashAttention (the
-trainer's kernel before issue 48) against the trainer's (``train.packed.causal_varlen``: cuDNN's from
-CUDNN_FROM tokens) and SDPA's backends on one sequence, in TFLOP/s and as a ratio to FlashAttention's. Which
-kernel a long micro-batch should run (issue 48: the 7B shape at 32k).
+"""Causal attention's forward and backward at long context on a GPU: the trainer's kernel (torch's varlen
+FlashAttention) against its cuDNN path for long sequences (``train.packed._cudnn``: SDPA's cuDNN backend on the
+sequence padded to a multiple of 256, on when ``CUDNN_FROM`` is set) and SDPA's backends on one sequence, in
+TFLOP/s and as a ratio to FlashAttention's. Which kernel a long micro-batch should run (issue 48: the 7B shape
+at 32k).
 
     python tools/bench_attention.py [--lengths 8192,32768,65536] [--heads 28 --kv-heads 4 --head-dim 128]
 """
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from areal_hpc.train.packed import _varlen, causal_varlen
+from areal_hpc.train.packed import _cudnn, _varlen
 
 
 def timed(fn, repeats: int = 5) -> float:
@@ -54,7 +55,7 @@ def kernels(t: int, heads: int, kv_heads: int, dim: int):
         return run
 
     yield "varlen flash", lambda q, k, v: _varlen(q, k, v, cu, t, None)
-    yield "trainer (causal_varlen)", lambda q, k, v: causal_varlen(q, k, v, cu, t, None)
+    yield "cudnn, padded (the trainer's path)", lambda q, k, v: _cudnn(q, k, v, None)
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         yield f"sdpa {backend.name.lower()}", sdpa(backend, repeat=False)
         yield f"sdpa {backend.name.lower()}, k/v repeated", sdpa(backend, repeat=True)

@@ -19,7 +19,8 @@
 #   tools/gpu_issue46.sh memory      # GPU tests: the offloaded optimizer's moments stay in page-locked memory, and a
 #                                    # colocated trainer leaves nothing cached for the servers after a step
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
-#   tools/gpu_issue46.sh attention   # issue 48: causal attention's kernels at 8k-64k (tools/bench_attention.py)
+#   tools/gpu_issue46.sh attention   # issue 48: causal attention's kernels at 8k-64k (tools/bench_attention.py), and
+#                                    # the GPU check of the trainer's cuDNN path for long sequences
 #   tools/gpu_issue46.sh long        # issue 48: tools/bench_long.py, the longest sequence per shape at c = 1
 set -o pipefail
 source tools/gpu_env.sh
