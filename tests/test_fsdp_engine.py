@@ -23,11 +23,12 @@ from tests.helpers import OutputProbe
 LENGTHS = [9, 5, 13, 7, 4, 11]
 
 
-def model_config(path, gradient_checkpointing=False, offload=False) -> TrainedModelConfig:
+def model_config(path, gradient_checkpointing=False, offload=False, recompute_layers=None) -> TrainedModelConfig:
     opt = OptimizerConfig(lr=1e-3, warmup_steps_proportion=0.0, offload=offload)
     return TrainedModelConfig(
-        path=str(path), dtype="float32", gradient_checkpointing=gradient_checkpointing, optimizer=opt
-    )
+        path=str(path), dtype="float32", gradient_checkpointing=gradient_checkpointing,
+        recompute_layers=recompute_layers, optimizer=opt,
+    )  # fmt: skip
 
 
 def packed(lengths=LENGTHS, seed=0) -> dict[str, np.ndarray]:
@@ -82,7 +83,8 @@ def test_gradient_checkpointing_and_offload_change_no_result(tiny_model_dir):
     batch = packed()
     mbs = micro_batches(batch, MicroBatchSpec(max_tokens_per_mb=16))
     results = []
-    for kw in ({}, {"gradient_checkpointing": True}, {"offload": True}):
+    for kw in ({}, {"gradient_checkpointing": True}, {"gradient_checkpointing": True, "recompute_layers": 1},
+               {"offload": True}):  # fmt: skip
         engine = FSDPEngine(model_config(tiny_model_dir, **kw), total_train_steps=10)
         steps = [engine.train_minibatch(mbs, nll) for _ in range(2)]
         results.append((steps, weights(engine)))
@@ -91,6 +93,23 @@ def test_gradient_checkpointing_and_offload_change_no_result(tiny_model_dir):
         assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in plain_steps], abs=1e-6)
         for name, tensor in plain.items():
             torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("layers, runs", [(None, [2, 2]), (1, [2, 1]), (0, [1, 1])])
+def test_recompute_layers_recomputes_the_first_layers_only(tiny_model_dir, layers, runs):
+    """Each decoder layer's MLP starts twice in a step when its layer is recomputed, once when it keeps its
+    activations. (A forward hook would miss the recompute: it stops once the tensors backward needs are back.)"""
+    engine = FSDPEngine(model_config(tiny_model_dir, True, recompute_layers=layers), total_train_steps=10)
+    calls = [0, 0]
+    for i, layer in enumerate(engine.net.model.model.layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    engine.train_minibatch(micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=10**6)), nll)
+    assert calls == runs
+
+
+def test_recompute_layers_beyond_the_model_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="recompute_layers 3: the model has 2 decoder layers"):
+        FSDPEngine(model_config(tiny_model_dir, True, recompute_layers=3), total_train_steps=10)
 
 
 def moments(engine) -> list[torch.Tensor]:

@@ -212,11 +212,14 @@ def _checkpointing_rank(rank, model_dir, out):
         from areal_hpc.train.backends.megatron.engine import MegatronEngine
 
         results = []
-        for recompute in (False, True):
-            engine = MegatronEngine(model_config(model_dir, gradient_checkpointing=recompute), 10)
-            step = engine.train_minibatch(micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=20)), nll)
-            logp = engine.logprobs(packed(), 1.0, MicroBatchSpec())
-            results.append((step, logp, engine.config.recompute_granularity))
+        for recompute, layers in ((False, None), (True, None), (True, 1)):
+            engine = MegatronEngine(model_config(model_dir, recompute, recompute_layers=layers), 10)
+            calls = [0, 0]  # each layer's MLP: twice in a step where the layer is recomputed
+            for i, layer in enumerate(engine.model.decoder.layers):
+                layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+            step = engine.train_minibatch(micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=10**6)), nll)
+            ran = list(calls)
+            results.append((step, engine.logprobs(packed(), 1.0, MicroBatchSpec()), ran))
         torch.save(results, out)
     finally:
         dist.destroy()
@@ -224,10 +227,11 @@ def _checkpointing_rank(rank, model_dir, out):
 
 def test_gradient_checkpointing_changes_no_result(tiny_model_dir, tmp_path):
     mp.spawn(_checkpointing_rank, args=(str(tiny_model_dir), str(tmp_path / "out")), nprocs=1)
-    (plain, plain_logp, off), (recomputed, recomputed_logp, on) = torch.load(tmp_path / "out")
-    assert (off, on) == (None, "full")  # Megatron's full recomputation of every layer
-    assert recomputed == plain
-    assert torch.equal(recomputed_logp, plain_logp)
+    (plain, plain_logp, ran), *recomputed = torch.load(tmp_path / "out")
+    assert [ran] + [r for *_, r in recomputed] == [[1, 1], [2, 2], [2, 1]]  # recompute_layers 1: the first
+    for step, logp, _ in recomputed:
+        assert step == plain
+        assert torch.equal(logp, plain_logp)
 
 
 def _released_rank(rank, model_dir, out):

@@ -9,6 +9,10 @@ a long sequence on (FlashAttention's varlen kernel, cuDNN's: train.packed.CUDNN_
 runs, and the peak GPU memory. The optimizer step does not depend on L; it is timed once per shape, at the first
 length.
 
+Then, with the faster kernel, as few layers recompute their activations as the GPU holds (recompute_layers): a
+run that keeps two layers' activations gives one layer's memory at L (``layer_gib``), and the layers that fit
+in 92% of the GPU beside the full recompute's peak keep theirs (``kept_layers``, ``mfu_kept``).
+
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
     python tools/bench_long.py --device cpu --shapes cpu --lengths 256,512   # a self-check of this script
 """
@@ -32,6 +36,7 @@ import torch  # noqa: E402
 from areal_hpc.config.schema import OptimizerConfig, TrainedModelConfig  # noqa: E402
 from areal_hpc.train import packed  # noqa: E402
 from areal_hpc.train.backends import make_engine  # noqa: E402
+from areal_hpc.train.models import decoder_layers, recompute_layers  # noqa: E402
 from tools.bench_train import PEAK_FLOPS, VOCAB, build_model, loss_fn, model_flops  # noqa: E402
 
 
@@ -63,6 +68,37 @@ def with_cudnn_from(cudnn_from: int | None, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         packed.CUDNN_FROM = default
+
+
+def peak_gib(device: str) -> float:
+    return round(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0, 1)
+
+
+def fewer_recomputed(engine, mbs: list[dict], cudnn_from: int | None, row: dict, device: str) -> dict:
+    """Forward and backward of ``mbs`` with as few layers recomputed as fit beside ``row``'s peak (all
+    recomputed): two layers that keep their activations measure one layer's memory."""
+    n = len(decoder_layers(engine.net))
+    try:
+        runs = {}
+        for kept in (2, None):
+            if kept is None:  # as many as 92% of the GPU holds (on a CPU, all: this script's self-check)
+                layer = (runs[2][1] - row["peak_gib"]) / 2
+                free = (
+                    0.92 * torch.cuda.mem_get_info()[1] / 2**30 - row["peak_gib"] if device == "cuda" else 0
+                )
+                kept = min(n, int(free / layer)) if layer > 0 else n
+                if kept <= 2:
+                    break
+            recompute_layers(engine.net, n - kept)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            s = with_cudnn_from(cudnn_from, timed, engine.train_minibatch, mbs, loss_fn, skip=no_update)
+            runs[kept] = (s, peak_gib(device))
+    finally:
+        recompute_layers(engine.net, None)
+    kept = max(runs)
+    return {"layer_gib": round((runs[2][1] - row["peak_gib"]) / 2, 2), "kept_layers": kept,
+            "kept_s": round(runs[kept][0], 2), "kept_peak_gib": runs[kept][1]}  # fmt: skip
 
 
 def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dict]:
@@ -98,9 +134,16 @@ def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dic
             row.update({f"{name}_s": round(s, 2), f"mfu_{name}": round(flops / s / PEAK_FLOPS, 4)})
         runs = "cudnn" if packed.CUDNN_FROM is not None and length >= packed.CUDNN_FROM else "flash"
         row.update(mfu=row[f"mfu_{runs}"], cudnn_speedup=round(secs["flash"] / secs["cudnn"], 3),
-                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0, 1))  # fmt: skip
+                   peak_gib=peak_gib(device))  # fmt: skip
+        try:
+            row.update(fewer_recomputed(engine, mbs, KERNELS[min(secs, key=secs.get)], row, device))
+            row["mfu_kept"] = round(flops / row["kept_s"] / PEAK_FLOPS, 4)
+        except torch.OutOfMemoryError:
+            row["kept_layers"] = "out of memory"
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if row["kept_layers"] == "out of memory":
+            break
     return rows
 
 
@@ -131,6 +174,10 @@ def main() -> int:
         print(f"{shape}: longest trained {best['tokens'] if best else 0} tokens"
               + (f" at {best['mfu']:.1%} MFU (FlashAttention {best['mfu_flash']:.1%}, cuDNN "
                  f"{best['mfu_cudnn']:.1%}), {best['peak_gib']} GiB" if best else ""))  # fmt: skip
+        for r in fit:
+            if "mfu_kept" in r:
+                print(f"{shape} at {r['tokens']} tokens, {r['kept_layers']} layers keeping their activations "
+                      f"({r['layer_gib']} GiB each): {r['mfu_kept']:.1%} MFU, {r['kept_peak_gib']} GiB")  # fmt: skip
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

@@ -20,7 +20,7 @@ from areal_hpc.config import extensions, kv_pool
 from areal_hpc.config.algorithm import MAX_STOP_TOKEN_IDS
 from areal_hpc.config.backends import GEN_BACKENDS, TRAIN_BACKENDS, megatron_model_problems, moe_experts
 from areal_hpc.config.lora import lora_problems
-from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig
+from areal_hpc.config.schema import ConfigError, ExperimentConfig, ModelConfig, TrainedModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -112,7 +112,19 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
                 f"'{name}.optimizer.offload' needs a backend that offloads ({', '.join(able)}); "
                 f"'{name}.backend' is {model.backend!r}"
             )
+        out += _recompute_problems(name, model)
     return out
+
+
+def _recompute_problems(name: str, model: TrainedModelConfig) -> list[str]:
+    """recompute_layers against the model's decoder layers, where its config.json can be read."""
+    layers = (_hf_config(model.path) or {}).get("num_hidden_layers")
+    if model.recompute_layers is None or layers is None or model.recompute_layers <= layers:
+        return []
+    return [
+        f"'{name}.recompute_layers' is {model.recompute_layers}, but {name}.path has {layers} decoder layers: give "
+        f"at most {layers}, or null (all of them)"
+    ]
 
 
 def algorithm_problems(cfg: ExperimentConfig) -> list[str]:

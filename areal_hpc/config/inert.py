@@ -193,6 +193,11 @@ RULES = (
         ("reward.code_time_secs", "reward.code_memory_mb", "reward.code_workers", "reward.code_isolation"),
         ("reward.fn",), lambda c: c.reward.fn is not None, "reward.fn scores every answer, code answers too",
     ),
+    *(Rule(
+        (f"{m}.recompute_layers",), (f"{m}.gradient_checkpointing",),
+        lambda c, m=m: not getattr(c, m).gradient_checkpointing,
+        f"{m}.gradient_checkpointing is false: no layer recomputes its activations",
+    ) for m in ("actor", "critic")),
     Rule(
         ("actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules"), ("actor.lora.rank",),
         lambda c: c.actor.lora.rank == 0, "the actor trains its full weights (actor.lora.rank 0)",

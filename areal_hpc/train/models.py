@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,13 +67,29 @@ def load_model(
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
 
 
-def enable_checkpointing(model: nn.Module) -> None:
-    """Recompute activations in the backward pass (transformers 5 name first, then the older one)."""
+def enable_checkpointing(model: nn.Module, layers: int | None = None) -> None:
+    """Recompute activations in the backward pass: of the first ``layers`` decoder layers (None: all)."""
     base = model.base if isinstance(model, ValueModel) else model
-    if hasattr(base, "activation_checkpointing_enable"):
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers 5's name first, then the older one
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recompute_layers(model, layers)
+
+
+def recompute_layers(model: nn.Module, layers: int | None) -> None:
+    """Of a checkpointed model, the first ``layers`` decoder layers recompute their activations (None: all),
+    the others keep them: less recomputation for more memory."""
+    blocks = decoder_layers(model)
+    if layers is not None and layers > len(blocks):
+        raise ValueError(f"recompute_layers {layers}: the model has {len(blocks)} decoder layers")
+    for i, block in enumerate(blocks):
+        block.gradient_checkpointing = layers is None or i < layers
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers, in order: the blocks transformers can checkpoint."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def compile_pointwise(net: nn.Module) -> None:

@@ -139,7 +139,7 @@ class FSDPEngine(RecoverState):
             model = lora.add_adapters(model, a.rank, a.alpha, a.dropout, list(a.target_modules))
             self.recover_only = lora.is_adapter  # the base is the model's path, never changed
         if self.trainable and model_cfg.gradient_checkpointing:
-            enable_checkpointing(model)
+            enable_checkpointing(model, model_cfg.recompute_layers)
         self.net = PackedModel(model, context=self.context).to(self.device)
         if self.device.type == "cuda":
             compile_pointwise(self.net)

@@ -136,8 +136,9 @@ class MegatronEngine:
             recompute = self.trainable and getattr(model_cfg, "gradient_checkpointing", False)
             replaying = getattr(model_cfg, "router_replay", "off") == "rollout"
             self.config = transformer_config(
-                self.hf, self.dtype, tensor, pipeline, recompute, expert, replay=replaying
-            )
+                self.hf, self.dtype, tensor, pipeline, recompute, expert, replay=replaying,
+                recompute_layers=getattr(model_cfg, "recompute_layers", None),
+            )  # fmt: skip
             self.moe = moe.MoeStats(self.hf, self.config) if self.config.num_moe_experts else None
             self.model = build_model(self.hf, self.config, self.layout, self.groups).to(self.device)
             self.load_hf(self.source_dir)

@@ -80,6 +80,15 @@ def moe_fields(hf: dict[str, Any], tp: int, ep: int, replay: bool = False) -> di
     )
 
 
+def recompute_fields(recompute: bool, layers: int | None) -> dict[str, Any]:
+    """Megatron's full recomputation: of every layer one by one, or of each stage's first ``layers``."""
+    if not recompute:
+        return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
+    if layers is None:
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": layers}
+
+
 def transformer_config(
     hf: dict[str, Any],
     dtype: torch.dtype,
@@ -88,9 +97,11 @@ def transformer_config(
     recompute: bool = False,
     ep: int = 1,
     replay: bool = False,
+    recompute_layers: int | None = None,
 ) -> TransformerConfig:
     """Megatron's config of the HF model ``hf`` (its config.json) at tensor size ``tp``, pipeline size ``pp`` and
-    expert size ``ep``.
+    expert size ``ep``; with ``recompute``, the first ``recompute_layers`` layers of each stage recompute their
+    activations (None: all).
 
     Parameters are created empty (the weights come from the HF checkpoint); fused kernels only on CUDA.
     """
@@ -128,9 +139,7 @@ def transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        **recompute_fields(recompute and recompute_layers != 0, recompute_layers),
         calculate_per_token_loss=True,  # our losses come normalised: Megatron must not divide them again
         **moe_fields(hf, tp, ep, replay),
     )

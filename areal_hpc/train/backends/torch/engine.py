@@ -83,7 +83,7 @@ class TorchEngine(RecoverState):
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if self.trainable:
             if model_cfg.gradient_checkpointing:
-                enable_checkpointing(self.model)
+                enable_checkpointing(self.model, model_cfg.recompute_layers)
             self.optimizer = make_optimizer(self.model, model_cfg.optimizer)
             self.scheduler = make_schedule(self.optimizer, total_train_steps, model_cfg.optimizer)
         else:
