@@ -116,7 +116,7 @@ class TrainedModelConfig(ModelConfig):
     recompute_layers: int | None = opt(
         None, "With gradient_checkpointing, how many decoder layers recompute their activations (the first ones; "
         "megatron: of each pipeline stage); null: all. Each other layer keeps its activations, which saves its "
-        "recomputed forward and holds about tokens per micro-batch x (5 hidden + 3 intermediate) x 2 bytes "
+        "recomputed forward and holds about tokens per micro-batch x (6 hidden + 3 intermediate) x 2 bytes "
         "(docs/cluster.md).", ge=0,
     )  # fmt: skip
     optimizer: OptimizerConfig = opt(OptimizerConfig, "Optimizer of this model.")
