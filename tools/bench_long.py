@@ -10,7 +10,7 @@ runs, and the peak GPU memory. The optimizer step does not depend on L; it is ti
 length.
 
 Then, with the faster kernel, as few layers recompute their activations as the GPU holds (recompute_layers): a
-run that keeps two layers' activations gives one layer's memory at L (``layer_gib``), and the layers that fit
+run that keeps one layer's activations gives its memory at L (``layer_gib``), and the layers that fit
 in 92% of the GPU beside the full recompute's peak keep theirs (``kept_layers``, ``mfu_kept``).
 
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
@@ -76,18 +76,18 @@ def peak_gib(device: str) -> float:
 
 def fewer_recomputed(engine, mbs: list[dict], cudnn_from: int | None, row: dict, device: str) -> dict:
     """Forward and backward of ``mbs`` with as few layers recomputed as fit beside ``row``'s peak (all
-    recomputed): two layers that keep their activations measure one layer's memory."""
+    recomputed): one layer that keeps its activations measures its memory."""
     n = len(decoder_layers(engine.net))
     try:
         runs = {}
-        for kept in (2, None):
+        for kept in (1, None):
             if kept is None:  # as many as 92% of the GPU holds (on a CPU, all: this script's self-check)
-                layer = (runs[2][1] - row["peak_gib"]) / 2
+                layer = runs[1][1] - row["peak_gib"]
                 free = (
                     0.92 * torch.cuda.mem_get_info()[1] / 2**30 - row["peak_gib"] if device == "cuda" else 0
                 )
                 kept = min(n, int(free / layer)) if layer > 0 else n
-                if kept <= 2:
+                if kept <= 1:
                     break
             recompute_layers(engine.net, n - kept)
             if device == "cuda":
@@ -97,7 +97,7 @@ def fewer_recomputed(engine, mbs: list[dict], cudnn_from: int | None, row: dict,
     finally:
         recompute_layers(engine.net, None)
     kept = max(runs)
-    return {"layer_gib": round((runs[2][1] - row["peak_gib"]) / 2, 2), "kept_layers": kept,
+    return {"layer_gib": round(runs[1][1] - row["peak_gib"], 2), "kept_layers": kept,
             "kept_s": round(runs[kept][0], 2), "kept_peak_gib": runs[kept][1]}  # fmt: skip
 
 

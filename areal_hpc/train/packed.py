@@ -7,8 +7,8 @@ embedding of each token is that of its sequence alone) and the attention functio
 transformers passes through to attention, as for FlashAttention's varlen kernels):
 
 - on CUDA in bf16 or fp16, PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``): no
-  padding, no mask; with ``CUDNN_FROM`` set, a sequence that long or longer runs alone through cuDNN's fused
-  attention where this GPU and torch have it (off until a Hopper measures it faster: issue 48,
+  padding, no mask; a sequence of ``CUDNN_FROM`` tokens or more runs alone through cuDNN's fused attention
+  where this GPU and torch have it (1.7x FlashAttention-2's speed on an H100 at 8k-64k tokens: issue 48,
   docs/benchmarks.md);
 - otherwise (the CPU tests, float32), causal SDPA over each sequence in turn: exact, and fast enough for tiny
   models.
@@ -35,9 +35,9 @@ ATTENTION = "areal_packed"
 # A sequence this long or longer runs alone through cuDNN's attention, padded at its end to a multiple of
 # CUDNN_PAD (causal: padding after a token changes nothing before it): cuDNN builds a plan for each new length
 # and keeps it, so RL's ever-new answer lengths would build one per micro-batch and grow the cache without end.
-# None: every sequence on FlashAttention, until tools/bench_attention.py and bench_long.py (gpu_issue46.sh
-# attention long) measure cuDNN's faster on a Hopper GPU, and tests/test_gpu.py's check of it passes there.
-CUDNN_FROM: int | None = None
+# 8k: the shortest length tools/bench_attention.py measured, where cuDNN already ran forward and backward 1.7x
+# as fast as varlen FlashAttention-2 on an H100 (a 7B at 32k: 33.3% -> 39.0% MFU). None: all on FlashAttention.
+CUDNN_FROM: int | None = 8192
 CUDNN_PAD = 256
 
 
