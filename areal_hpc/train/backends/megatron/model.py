@@ -82,7 +82,7 @@ def moe_fields(hf: dict[str, Any], tp: int, ep: int, replay: bool = False) -> di
 
 def recompute_fields(recompute: bool, layers: int | None) -> dict[str, Any]:
     """Megatron's full recomputation: of every layer one by one, or of each stage's first ``layers``."""
-    if not recompute:
+    if not recompute or layers == 0:
         return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
     if layers is None:
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -139,7 +139,7 @@ def transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        **recompute_fields(recompute and recompute_layers != 0, recompute_layers),
+        **recompute_fields(recompute, recompute_layers),
         calculate_per_token_loss=True,  # our losses come normalised: Megatron must not divide them again
         **moe_fields(hf, tp, ep, replay),
     )
