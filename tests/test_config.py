@@ -229,7 +229,9 @@ def test_a_model_megatron_cannot_split_is_refused_with_its_config_file(tiny_mode
 def test_recomputing_more_layers_than_the_model_has_is_refused(tiny_model_dir):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[f"actor.path={tiny_model_dir}", "actor.recompute_layers=3"])
-    assert "'actor.recompute_layers' is 3, but actor.path has 2 decoder layers: give at most 2" in str(err.value)
+    assert "'actor.recompute_layers' is 3, but actor.path has 2 decoder layers: give at most 2" in str(
+        err.value
+    )
 
 
 def test_megatron_takes_per_mfc_layouts_that_differ(tiny_model_dir):

@@ -23,7 +23,9 @@ from tests.helpers import OutputProbe
 LENGTHS = [9, 5, 13, 7, 4, 11]
 
 
-def model_config(path, gradient_checkpointing=False, offload=False, recompute_layers=None) -> TrainedModelConfig:
+def model_config(
+    path, gradient_checkpointing=False, offload=False, recompute_layers=None
+) -> TrainedModelConfig:
     opt = OptimizerConfig(lr=1e-3, warmup_steps_proportion=0.0, offload=offload)
     return TrainedModelConfig(
         path=str(path), dtype="float32", gradient_checkpointing=gradient_checkpointing,
@@ -95,14 +97,20 @@ def test_gradient_checkpointing_and_offload_change_no_result(tiny_model_dir):
             torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0)
 
 
+def mlp_starts(layers) -> list[int]:
+    """How many times each layer's MLP starts from now on (a list that forward hooks count into)."""
+    calls = [0] * len(layers)
+    for i, layer in enumerate(layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
 @pytest.mark.parametrize("layers, runs", [(None, [2, 2]), (1, [2, 1]), (0, [1, 1])])
 def test_recompute_layers_recomputes_the_first_layers_only(tiny_model_dir, layers, runs):
     """Each decoder layer's MLP starts twice in a step when its layer is recomputed, once when it keeps its
     activations. (A forward hook would miss the recompute: it stops once the tensors backward needs are back.)"""
     engine = FSDPEngine(model_config(tiny_model_dir, True, recompute_layers=layers), total_train_steps=10)
-    calls = [0, 0]
-    for i, layer in enumerate(engine.net.model.model.layers):
-        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    calls = mlp_starts(engine.net.model.model.layers)
     engine.train_minibatch(micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=10**6)), nll)
     assert calls == runs
 

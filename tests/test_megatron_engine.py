@@ -21,7 +21,7 @@ from areal_hpc.data import CU
 from areal_hpc.train import TrainerHandlers, dist
 from areal_hpc.train.backends.megatron import convert
 from areal_hpc.train.microbatch import micro_batches
-from tests.test_fsdp_engine import LENGTHS, alone, model_config, nll, packed
+from tests.test_fsdp_engine import LENGTHS, alone, mlp_starts, model_config, nll, packed
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tensor, pipeline)
 
@@ -214,10 +214,10 @@ def _checkpointing_rank(rank, model_dir, out):
         results = []
         for recompute, layers in ((False, None), (True, None), (True, 1)):
             engine = MegatronEngine(model_config(model_dir, recompute, recompute_layers=layers), 10)
-            calls = [0, 0]  # each layer's MLP: twice in a step where the layer is recomputed
-            for i, layer in enumerate(engine.model.decoder.layers):
-                layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-            step = engine.train_minibatch(micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=10**6)), nll)
+            calls = mlp_starts(engine.model.decoder.layers)  # twice in a step where a layer is recomputed
+            step = engine.train_minibatch(
+                micro_batches(packed(), MicroBatchSpec(max_tokens_per_mb=10**6)), nll
+            )
             ran = list(calls)
             results.append((step, engine.logprobs(packed(), 1.0, MicroBatchSpec()), ran))
         torch.save(results, out)
