@@ -10,8 +10,9 @@ runs, and the peak GPU memory. The optimizer step does not depend on L; it is ti
 length.
 
 Then, with the faster kernel, as few layers recompute their activations as the GPU holds (recompute_layers): a
-run that keeps one layer's activations gives its memory at L (``layer_gib``), and the layers that fit
-in 92% of the GPU beside the full recompute's peak keep theirs (``kept_layers``, ``mfu_kept``).
+run that keeps one layer's activations gives its memory at L (``layer_gib``, against a run of all
+recomputing), and the layers that fit in 92% of the GPU beside that run's peak keep theirs (``kept_layers``,
+``mfu_kept``). The peaks are of forward and backward alone, not of the optimizer step.
 
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
     python tools/bench_long.py --device cpu --shapes cpu --lengths 256,512   # a self-check of this script
@@ -71,34 +72,40 @@ def with_cudnn_from(cudnn_from: int | None, fn, *args, **kwargs):
 
 
 def peak_gib(device: str) -> float:
-    return round(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0, 1)
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
 
 
-def fewer_recomputed(engine, mbs: list[dict], cudnn_from: int | None, row: dict, device: str) -> dict:
-    """Forward and backward of ``mbs`` with as few layers recomputed as fit beside ``row``'s peak (all
-    recomputed): one layer that keeps its activations measures its memory."""
+def fewer_recomputed(engine, mbs: list[dict], cudnn_from: int | None, device: str) -> dict:
+    """Forward and backward of ``mbs`` with as few layers recomputing as fit: one layer that keeps its
+    activations measures its memory against the peak of all recomputing, and as many layers as 92% of the GPU
+    holds beside that peak keep theirs."""
     n = len(decoder_layers(engine.net))
+
+    def run(kept: int) -> tuple[float, float]:
+        recompute_layers(engine.net, n - kept)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        s = with_cudnn_from(cudnn_from, timed, engine.train_minibatch, mbs, loss_fn, skip=no_update)
+        return s, peak_gib(device)
+
     try:
-        runs = {}
-        for kept in (1, None):
-            if kept is None:  # as many as 92% of the GPU holds (on a CPU, all: this script's self-check)
-                layer = runs[1][1] - row["peak_gib"]
-                free = (
-                    0.92 * torch.cuda.mem_get_info()[1] / 2**30 - row["peak_gib"] if device == "cuda" else 0
-                )
-                kept = min(n, int(free / layer)) if layer > 0 else n
-                if kept <= 1:
-                    break
-            recompute_layers(engine.net, n - kept)
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            s = with_cudnn_from(cudnn_from, timed, engine.train_minibatch, mbs, loss_fn, skip=no_update)
-            runs[kept] = (s, peak_gib(device))
+        (_, base), (s, peak) = run(0), run(1)
+        layer = peak - base
+        kept = n  # on a CPU: this script's self-check of the path
+        if device == "cuda":
+            kept = (
+                min(n, int((0.92 * torch.cuda.mem_get_info()[1] / 2**30 - base) / layer)) if layer > 0 else 1
+            )
+        if kept > 1:
+            s, peak = run(kept)
     finally:
         recompute_layers(engine.net, None)
-    kept = max(runs)
-    return {"layer_gib": round(runs[1][1] - row["peak_gib"], 2), "kept_layers": kept,
-            "kept_s": round(runs[kept][0], 2), "kept_peak_gib": runs[kept][1]}  # fmt: skip
+    return {
+        "layer_gib": round(layer, 2),
+        "kept_layers": kept,
+        "kept_s": round(s, 2),
+        "kept_peak_gib": round(peak, 1),
+    }
 
 
 def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dict]:
@@ -116,13 +123,13 @@ def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dic
     rows = []
     for i, length in enumerate(lengths):
         mbs = [one_sequence(length)]
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         row = {"shape": shape, "tokens": length, "offload": offload}
         try:
             if i == 0:  # compiles the norms and MLPs, then the optimizer step, alone
                 engine.train_minibatch(mbs, loss_fn, skip=no_update)
                 row["step_s"] = round(timed(engine.train_minibatch, mbs, loss_fn), 2)
+            if device == "cuda":  # the peak of forward and backward, not of the optimizer step
+                torch.cuda.reset_peak_memory_stats()
             secs = {name: with_cudnn_from(cudnn_from, timed, engine.train_minibatch, mbs, loss_fn, skip=no_update)
                     for name, cudnn_from in KERNELS.items()}  # fmt: skip
         except torch.OutOfMemoryError:
@@ -134,9 +141,9 @@ def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dic
             row.update({f"{name}_s": round(s, 2), f"mfu_{name}": round(flops / s / PEAK_FLOPS, 4)})
         runs = "cudnn" if packed.CUDNN_FROM is not None and length >= packed.CUDNN_FROM else "flash"
         row.update(mfu=row[f"mfu_{runs}"], cudnn_speedup=round(secs["flash"] / secs["cudnn"], 3),
-                   peak_gib=peak_gib(device))  # fmt: skip
+                   peak_gib=round(peak_gib(device), 1))  # fmt: skip
         try:
-            row.update(fewer_recomputed(engine, mbs, KERNELS[min(secs, key=secs.get)], row, device))
+            row.update(fewer_recomputed(engine, mbs, KERNELS[min(secs, key=secs.get)], device))
             row["mfu_kept"] = round(flops / row["kept_s"] / PEAK_FLOPS, 4)
         except torch.OutOfMemoryError:
             row["kept_layers"] = "out of memory"
