@@ -8,8 +8,8 @@ transformers passes through to attention, as for FlashAttention's varlen kernels
 
 - on CUDA in bf16 or fp16, PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``): no
   padding, no mask; a sequence of ``CUDNN_FROM`` tokens or more runs alone through cuDNN's fused attention
-  where this GPU and torch have it (1.7x FlashAttention-2's speed on an H100 at 8k-64k tokens: issue 48,
-  docs/benchmarks.md);
+  on Hopper GPUs and later, where torch has it (1.7x FlashAttention-2's speed on an H100 at 8k-64k tokens:
+  issue 48, docs/benchmarks.md);
 - otherwise (the CPU tests, float32), causal SDPA over each sequence in turn: exact, and fast enough for tiny
   models.
 """
@@ -38,6 +38,7 @@ ATTENTION = "areal_packed"
 # 8k: the shortest length tools/bench_attention.py measured, where cuDNN already ran forward and backward 1.7x
 # as fast as varlen FlashAttention-2 on an H100 (a 7B at 32k: 33.3% -> 39.0% MFU). None: all on FlashAttention.
 CUDNN_FROM: int | None = 8192
+CUDNN_SINCE = (9, 0)  # Hopper on: where it was measured (an A100's cuDNN against FlashAttention-2 was not)
 CUDNN_PAD = 256
 
 
@@ -197,6 +198,7 @@ def causal_varlen(
     if (
         CUDNN_FROM is not None
         and max_len >= CUDNN_FROM
+        and torch.cuda.get_device_capability(q.device) >= CUDNN_SINCE
         and _cudnn_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
     ):
         return _long_alone(q, k, v, cu_seqlens, max_len, scale)
