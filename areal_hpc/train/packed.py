@@ -100,6 +100,8 @@ def segments(bounds: list[int], alone_from: int) -> list[tuple[int, int, bool]]:
 @functools.cache
 def _cudnn_ok(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
     """Whether cuDNN's attention runs this shape forward and backward here: tried once on a small sequence."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < CUDNN_SINCE:
+        return False
     try:  # its own graph wherever the first long sequence comes: a logprob pass, a checkpointed layer's hooks
         with torch.inference_mode(False), torch.enable_grad(), saved_tensors_hooks(_same, _same):
             q, k, v = (torch.ones(CUDNN_PAD - 1, h, dim, device=device, dtype=dtype, requires_grad=True)
@@ -198,7 +200,6 @@ def causal_varlen(
     if (
         CUDNN_FROM is not None
         and max_len >= CUDNN_FROM
-        and torch.cuda.get_device_capability(q.device) >= CUDNN_SINCE
         and _cudnn_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
     ):
         return _long_alone(q, k, v, cu_seqlens, max_len, scale)
