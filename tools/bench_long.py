@@ -9,10 +9,10 @@ a long sequence on (FlashAttention's varlen kernel, cuDNN's: train.packed.CUDNN_
 runs, and the peak GPU memory. The optimizer step does not depend on L; it is timed once per shape, at the first
 length.
 
-Then, with the faster kernel, as few layers recompute their activations as the GPU holds (recompute_layers): a
-run that keeps one layer's activations gives its memory at L (``layer_gib``, against a run of all
-recomputing), and the layers that fit in 92% of the GPU beside that run's peak keep theirs (``kept_layers``,
-``mfu_kept``). The peaks are of forward and backward alone, not of the optimizer step.
+Then, at the lengths of ``--kept-at`` and with the faster kernel, as few layers recompute their activations
+as the GPU holds (recompute_layers, found by bisection): ``kept_layers``, ``mfu_kept``, and ``layer_gib``,
+what a kept layer adds to the peak on average. The peaks are of forward and backward alone, not of the
+optimizer step.
 
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
     python tools/bench_long.py --device cpu --shapes cpu --lengths 256,512   # a self-check of this script
@@ -76,9 +76,9 @@ def peak_gib(device: str) -> float:
 
 
 def fewer_recomputed(engine, mbs: list[dict], cudnn_from: int | None, device: str) -> dict:
-    """Forward and backward of ``mbs`` with as few layers recomputing as fit: one layer that keeps its
-    activations measures its memory against the peak of all recomputing, and as many layers as 92% of the GPU
-    holds beside that peak keep theirs."""
+    """Forward and backward of ``mbs`` with as many layers keeping their activations as the GPU holds, found
+    by bisection between all recomputing and none. One layer's memory is not measurable alone: the peak
+    of a step with all layers recomputing is the head's or the backward's, which a kept layer can sit under."""
     n = len(decoder_layers(engine.net))
 
     def run(kept: int) -> tuple[float, float]:
@@ -89,26 +89,26 @@ def fewer_recomputed(engine, mbs: list[dict], cudnn_from: int | None, device: st
         return s, peak_gib(device)
 
     try:
-        (_, base), (s, peak) = run(0), run(1)
-        layer = peak - base
-        kept = n  # on a CPU: this script's self-check of the path
-        if device == "cuda":
-            kept = (
-                min(n, int((0.92 * torch.cuda.mem_get_info()[1] / 2**30 - base) / layer)) if layer > 0 else 1
-            )
-        if kept > 1:
-            s, peak = run(kept)
+        fits, lo, hi = {0: run(0)}, 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                fits[mid], lo = run(mid), mid
+            except torch.OutOfMemoryError:
+                hi = mid - 1
+                torch.cuda.empty_cache()
     finally:
         recompute_layers(engine.net, None)
+    (s, peak), base = fits[lo], fits[0][1]
     return {
-        "layer_gib": round(layer, 2),
-        "kept_layers": kept,
+        "layer_gib": round((peak - base) / lo, 2) if lo else None,
+        "kept_layers": lo,
         "kept_s": round(s, 2),
         "kept_peak_gib": round(peak, 1),
     }
 
 
-def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dict]:
+def longest(shape: str, lengths: list[int], kept_at: set[int], root: Path, device: str) -> list[dict]:
     model = root / shape
     n_params = build_model(shape, model, device)
     config = json.loads((model / "config.json").read_text())
@@ -142,12 +142,9 @@ def longest(shape: str, lengths: list[int], root: Path, device: str) -> list[dic
         runs = "cudnn" if packed.CUDNN_FROM is not None and length >= packed.CUDNN_FROM else "flash"
         row.update(mfu=row[f"mfu_{runs}"], cudnn_speedup=round(secs["flash"] / secs["cudnn"], 3),
                    peak_gib=round(peak_gib(device), 1))  # fmt: skip
-        try:
+        if length in kept_at:
             row.update(fewer_recomputed(engine, mbs, KERNELS[min(secs, key=secs.get)], device))
             row["mfu_kept"] = round(flops / row["kept_s"] / PEAK_FLOPS, 4)
-        except torch.OutOfMemoryError:  # the estimate missed: longer lengths still train with all recomputing
-            row["kept_layers"] = "out of memory"
-            torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -157,11 +154,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1.5b,3b,7b")
     parser.add_argument("--lengths", default="16384,32768,65536,131072")
+    parser.add_argument(
+        "--kept-at",
+        help="lengths at which to find the most layers keeping their activations "
+        "(each takes up to log2(layers) more runs); default: the first length",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     shapes = args.shapes.split(",")
+    kept_at = args.kept_at or str(lengths[0])
     # A process per shape: what one shape's engine leaves on the GPU never crowds the next (the 7B at 16k ran
     # out of memory after the 3B in one process, and fits alone at 32k).
     if len(shapes) > 1:
@@ -169,11 +172,11 @@ def main() -> int:
         for shape in shapes:
             with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
                 subprocess.run([sys.executable, __file__, "--shapes", shape, "--lengths", args.lengths,
-                                "--device", args.device, "--out", out.name], check=True)  # fmt: skip
+                                "--device", args.device, "--kept-at", kept_at, "--out", out.name], check=True)  # fmt: skip
                 rows += [json.loads(line) for line in out]
     else:
         with tempfile.TemporaryDirectory(prefix="bench-long-") as root:
-            rows = longest(shapes[0], lengths, Path(root), args.device)
+            rows = longest(shapes[0], lengths, {int(x) for x in kept_at.split(",")}, Path(root), args.device)
     for shape in shapes:
         fit = [r for r in rows if r["shape"] == shape and "mfu" in r]
         best = fit[-1] if fit else None
