@@ -9,10 +9,9 @@ a long sequence on (FlashAttention's varlen kernel, cuDNN's: train.packed.CUDNN_
 runs, and the peak GPU memory. The optimizer step does not depend on L; it is timed once per shape, at the first
 length.
 
-Then, at the lengths of ``--kept-at`` and with the faster kernel, as few layers recompute their activations
-as fit in 92% of the GPU (recompute_layers): ``layer_gib`` (a kept layer's activations), ``kept_layers``,
-``mfu_kept``. The peaks are of forward and backward alone, not of the
-optimizer step.
+Then, at the lengths of ``--kept-at`` and with the faster kernel, as many layers keep their activations
+(recompute_layers) as fit in 92% of the GPU: ``layer_gib`` (a kept layer's activations), ``kept_layers``,
+``mfu_kept``. The peaks are of forward and backward alone, not of the optimizer step.
 
     python tools/bench_long.py --shapes 1.5b,3b,7b --lengths 16384,32768,65536,131072 [--out rows.jsonl]
     python tools/bench_long.py --device cpu --shapes cpu --lengths 256,512   # a self-check of this script
@@ -158,7 +157,7 @@ def main() -> int:
     parser.add_argument(
         "--kept-at",
         help="lengths at which to find the most layers keeping their activations "
-        "(each takes up to log2(layers) more runs); default: the first length",
+        "(three more runs each); default: the first length",
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
