@@ -21,6 +21,7 @@ from areal_hpc.data import CU, write_batch
 from areal_hpc.gen.client import GenClient
 from areal_hpc.train import TrainerHandlers
 from areal_hpc.train.backends.fsdp.engine import FSDPEngine
+from areal_hpc.train.backends.fsdp.offload import MOMENTS, make_home, offloaded_step
 from areal_hpc.train.microbatch import micro_batches
 from areal_hpc.weights.shared import SharedWeights
 from tests.test_fsdp_engine import model_config, moments, nll, packed, weights
@@ -246,6 +247,34 @@ def test_a_colocated_trainer_leaves_nothing_cached_for_the_servers_after_a_step(
     colocated = ["allocation_mode=d1p1m1", "weight_update_mode=tensor", "cluster.n_nodes=1"]
     assert free_segments_after_a_step(toy, tmp_path, *colocated, "cluster.n_gpus_per_node=1") == 0
     assert free_segments_after_a_step(toy, tmp_path) > 0  # decoupled: kept for the next step
+
+
+def test_offloaded_step_copies_beside_the_update_and_updates_as_adamw_on_the_gpu():
+    """The moments stream in and out on copy streams of their own while the updates run: 0.9 GB of weights, with room on the device for only two parameters' moments at a time, end where AdamW ends with
+    its state on the GPU (a copy back that raced its update, or a fetch that reused memory still being read,
+    would differ)."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    start = [torch.randn(4096, 4096 + 64 * i, generator=gen, device="cuda") for i in range(12)]
+    grads = [[torch.randn_like(w) * 1e-3 for w in start] for _ in range(3)]
+    results = []
+    for offloaded in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        if offloaded:
+            make_home(optimizer, pinned=True)
+        for step in grads:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            if offloaded:
+                offloaded_step(optimizer, params, params[0].device, in_flight=2 * 8 * start[-1].numel())
+            else:
+                optimizer.step()
+        results.append(
+            [p.detach() for p in params] + [optimizer.state[p][k] for p in params for k in MOMENTS]
+        )
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in results[1][len(start) :])
+    for on_gpu, offloaded in zip(*results, strict=True):
+        torch.testing.assert_close(offloaded.cuda(), on_gpu, atol=1e-6, rtol=0)
 
 
 def test_offloaded_adam_state_steps_as_on_the_gpu_and_stays_in_page_locked_memory(tiny_model_dir):

@@ -15,7 +15,7 @@
 #   tools/gpu_issue46.sh kernels     # the decode kernels' GPU tests (the rotary cache write, the engine's logprobs)
 #   tools/gpu_issue46.sh sampling    # a decode step's sampling (tools/bench_sampling.py) against the baseline's
 #   tools/gpu_issue46.sh 3b 7b       # the same step at the 3B shape, and the 7B with optimizer offload
-#   tools/gpu_issue46.sh offload     # bench_train's 7B step with optimizer offload: baseline, today's
+#   tools/gpu_issue46.sh offload     # the offloaded optimizer's 7B step (tools/bench_offload.py) against b620a9c's
 #   tools/gpu_issue46.sh memory      # GPU tests: the offloaded optimizer's moments stay in page-locked memory, and a
 #                                    # colocated trainer leaves nothing cached for the servers after a step
 #   tools/gpu_issue46.sh lora lora7b # issue 47: tools/gpu_check_lora.py at 7B; the 7B step with a rank-64 adapter
@@ -79,9 +79,10 @@ sampling() {  # a decode step's sampling at 128 rows of Qwen's vocabulary, again
 3b() {  # an H100 runs the 3B trainer out of memory at 16,384 tokens without checkpointing (75 GiB in use)
   check 3b . --shape 3b $MB --set recover_mode=disabled --set actor.gradient_checkpointing=$([ "$GIB" -ge 100 ] && echo false || echo true)
 }
-offload() {  # the page-locked, queued copies of the Adam state against one pageable copy at a time
-  PYTHONPATH=/tmp/site:$PWD/$BASE python3 $BASE/tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
-  python3 tools/bench_train.py --device cuda --shapes "" --offload-7b --skip-checks
+offload() {  # the optimizer step alone at 7B: moments in and out on copy streams beside the updates, against
+  # b620a9c's, which queued both on the compute stream (git show b620a9c:<offload.py> > $BASE/offload_b620a9c.py)
+  python3 -m pytest -q -m gpu tests/test_gpu.py -k "offloaded"
+  PYTHONPATH=/tmp/site:$PWD python3 tools/bench_offload.py --baseline $BASE/offload_b620a9c.py --json $OUT/offload.json
 }
 7b() {  # two steps: a 7B step takes ~4x the 1.5B's
   check 7b . --shape 7b $MB --steps 2 --set actor.optimizer.offload=true --set actor.gradient_checkpointing=true \
@@ -99,5 +100,5 @@ long() {
   PYTHONPATH=/tmp/site:$PWD python3 tools/bench_long.py --shapes ${LONG_SHAPES:-1.5b,3b,7b} \
     --lengths ${LONG_LENGTHS:-16384,32768,65536,131072} --out $OUT/long.jsonl
 }
-run_parts "passed|failed|today|baseline:|launch|rollout at|ms a step|answers sent| gc |^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%|TB/s" "$@"
+run_parts "passed|failed|today|same weights|baseline:|launch|rollout at|ms a step|answers sent| gc |^step |e2e|longest|mfu|where the time|^ +[0-9]+ +[0-9]|check|exit code|Error|error|rows|profile|^ +[a-z_:<]|%|TB/s" "$@"
 exit $status
