@@ -93,11 +93,14 @@ class _Lanes:
         nbytes = sum(_local(t).nbytes for t in homes.values())
         while self.pending and sum(n for _, n in self.pending) + nbytes > self.limit:
             self.pending.popleft()[0].synchronize()
-        with torch.cuda.stream(self.up):  # beside the last update: its memory is reused only once it ran
-            moved = {key: _moved(t, self.device, True) for key, t in homes.items()}
+        # Made on the compute stream, whose cache the activations share; the copy in waits for the updates
+        # queued there, which may still use that memory (a few ms against a copy's tens).
+        moved = {key: _as(t, torch.empty_like(_local(t), device=self.device)) for key, t in homes.items()}
+        self.up.wait_stream(self.compute)
+        with torch.cuda.stream(self.up):
+            for key, t in moved.items():
+                _local(t).copy_(_local(homes[key]), non_blocking=True)
         self.compute.wait_stream(self.up)
-        for t in moved.values():
-            _local(t).record_stream(self.compute)  # made on ``up``: freed once the update has run
         return moved
 
     def store(self, moved: dict[str, torch.Tensor], homes: dict[str, torch.Tensor]) -> None:
@@ -135,10 +138,6 @@ def _zeros(numel: int, pinned: bool) -> torch.Tensor:
 def _as(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as ``like``'s shard (same mesh and placements) wherever it lives; plain if ``like`` is."""
     return DTensor(local, like._spec, requires_grad=False) if isinstance(like, DTensor) else local
-
-
-def _moved(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
-    return _as(t, _local(t).to(device, non_blocking=non_blocking))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
