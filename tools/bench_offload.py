@@ -14,7 +14,6 @@ reading.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -25,16 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_train's shapes
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `areal_hpc` importable
 
+from bench_sampling import load  # noqa: E402
 from bench_train import SHAPES, model_config  # noqa: E402
 
+from areal_hpc.config import OptimizerConfig  # noqa: E402
 from areal_hpc.train.backends.fsdp import offload  # noqa: E402
-
-
-def load(path: str):
-    spec = importlib.util.spec_from_file_location("offload_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from areal_hpc.train.numerics import make_optimizer  # noqa: E402
 
 
 def weights(shape: str, device: torch.device, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -53,11 +48,7 @@ def weights(shape: str, device: torch.device, seed: int = 0) -> list[torch.nn.Pa
 
 
 def optimizer_of(params: list[torch.nn.Parameter], pinned: bool) -> torch.optim.AdamW:
-    groups = [  # as numerics.make_optimizer groups them
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=1e-5)
+    optimizer = make_optimizer(torch.nn.ParameterList(params), OptimizerConfig(lr=1e-5))  # the trainer's
     offload.make_home(optimizer, pinned)
     return optimizer
 
@@ -97,7 +88,7 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = args.shape or ("7b" if device.type == "cuda" else "cpu")
-    baseline = load(args.baseline) if args.baseline else offload
+    baseline = load(args.baseline, "offload_baseline") if args.baseline else offload
     if not args.baseline:
         print("no --baseline: today's step against itself")
 

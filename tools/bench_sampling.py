@@ -24,8 +24,9 @@ from areal_hpc.gen.backends.builtin import sampling  # noqa: E402
 from areal_hpc.gen.backends.builtin.protocol import SamplingParams  # noqa: E402
 
 
-def load(path: str):
-    spec = importlib.util.spec_from_file_location("sampling_baseline", path)
+def load(path: str, name: str = "sampling_baseline"):
+    """The module in the file ``path`` (a baseline's copy), imported as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
